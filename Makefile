@@ -1,0 +1,43 @@
+# Two entry points: `make book` and `make test`. Both set up .venv first (idempotent).
+# An active virtual environment ($VIRTUAL_ENV) is used as it is; otherwise .venv is created.
+# Where the system Python already has torch (a GPU box), .venv sees it and keeps it;
+# elsewhere torch==2.13.0 (the CPU build) is installed.
+SHELL := /bin/bash
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.minivllm-installed
+
+.PHONY: setup book test exercises gpu-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -x $(PY) ]; then \
+	  if python3 -c 'import torch' 2>/dev/null; then \
+	    echo "system torch found: .venv will use it"; python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[book,test]"
+	@touch $(STAMP)
+
+book: setup
+	$(PY) scripts/build_book.py
+
+test: setup
+	bash scripts/install_test_deps.sh
+	$(PY) scripts/make_exercises.py --check
+	$(PY) scripts/build_book.py
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+
+exercises: setup
+	$(PY) scripts/make_exercises.py
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf _build exercises/.pytest_cache

@@ -1,0 +1,109 @@
+"""Model configuration: what a checkpoint's config.json says, checked against its weights.
+
+A config.json is not always the whole truth. Some checkpoints carry attention biases that
+the config does not mention, or q/k norms under a family name that never had them. So we
+read the tensor names in the safetensors headers (no weights loaded) and let them decide.
+"""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minivllm.safetensors_index import tensor_names
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    torch_dtype: torch.dtype = torch.float32
+    eos_token_id: list[int] = field(default_factory=list)
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        """Read ``path/config.json`` and reconcile it with the tensors in ``path``."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"no config.json in {path}")
+        config = cls.from_dict(json.loads(config_file.read_text()))
+        config.detect_from_weights(tensor_names(path))
+        return config
+
+    @classmethod
+    def from_dict(cls, hf: dict) -> "ModelConfig":
+        # transformers >= 5 nests RoPE settings under "rope_parameters"; older files use
+        # "rope_theta" and "rope_scaling" at the top level.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = hf.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        dtype_name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        num_heads = hf["num_attention_heads"]
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json names no 'architectures'; cannot pick a model class")
+        return cls(
+            architecture=architectures[0],
+            model_type=hf.get("model_type", ""),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
+            torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else dtype_name,
+            eos_token_id=eos,
+            hf_config=hf,
+        )
+
+    def detect_from_weights(self, names: set[str]) -> None:
+        """Let the checkpoint's tensors overrule config.json where they disagree."""
+        if not names:
+            return
+        self.attention_bias = "model.layers.0.self_attn.q_proj.bias" in names
+        self.qk_norm = "model.layers.0.self_attn.q_norm.weight" in names
+        # A checkpoint without a separate head must reuse the embedding matrix.
+        if "lm_head.weight" not in names:
+            self.tie_word_embeddings = True

@@ -1,0 +1,44 @@
+"""The attention metadata of one forward step, shared by every attention layer.
+
+The model runner fills it before a forward pass and clears it after, so a model's
+``forward(input_ids, positions)`` never has to thread batch bookkeeping through its
+signature. Tokens of all sequences in a step are packed into one flat batch; these
+fields say where each sequence starts and where its keys and values live.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    # Is this step a prefill (many tokens per sequence) or a decode (one per sequence)?
+    is_prefill: bool = True
+    # Cumulative query lengths, shape [num_seqs + 1]: sequence i owns tokens
+    # cu_seqlens_q[i]:cu_seqlens_q[i+1] of the flat batch. None means one sequence.
+    cu_seqlens_q: torch.Tensor | None = None
+    # Where each new token's K/V is written in the cache (flat slot index), shape [num_tokens].
+    # None means there is no cache: attend over this step's tokens only.
+    slot_mapping: torch.Tensor | None = None
+    # Tokens each sequence has in the cache after this step, shape [num_seqs].
+    context_lens: torch.Tensor | None = None
+    # Which cache blocks each sequence owns, shape [num_seqs, max_blocks], padded with -1.
+    block_tables: torch.Tensor | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(**fields) -> Context:
+    global _CONTEXT
+    _CONTEXT = Context(**fields)
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()

@@ -1,0 +1,1 @@
+"""Building blocks of a decoder-only transformer, as nn.Modules."""

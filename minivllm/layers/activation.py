@@ -1,0 +1,21 @@
+"""Gated activations for the feed-forward block."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: x holds [gate | up] side by side; return silu(gate) * up.
+
+    The gate and up projections are packed into one matrix (one matmul instead of two),
+    so their outputs arrive concatenated along the last dimension.
+    """
+    # BEGIN SOLUTION ch01 "silu_and_mul: split x in half along the last dim into gate and up, return silu(gate) * up"
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+    # END SOLUTION
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)

@@ -1,0 +1,30 @@
+"""The attention layer: stores this step's keys and values, then attends.
+
+It owns views into the KV cache (``k_cache``, ``v_cache``), handed to it by whoever
+allocates the cache, and reads the step's metadata from the shared Context.
+"""
+import torch
+from torch import nn
+
+from minivllm.context import get_context
+from minivllm.ops.attention import varlen_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Empty until a cache is attached: then [num_blocks, block_size, num_kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]."""
+        return varlen_attention(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)

@@ -1,0 +1,90 @@
+"""Load a Hugging Face checkpoint (``*.safetensors``, sharded or not) into our modules.
+
+For each tensor in the files: rename it if it belongs to a packed projection (q/k/v ->
+qkv_proj, gate/up -> gate_up_proj), find the parameter, and let the parameter's own
+``weight_loader`` put it in place. Anything missing, unexpected or misshapen is an error
+that names the tensor: a silently half-loaded model writes fluent nonsense.
+"""
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.layers.linear import default_weight_loader
+from minivllm.models.registry import get_model_class
+from minivllm.safetensors_index import safetensors_files
+
+# Tensors some checkpoints carry that are recomputed from the config instead.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    files = safetensors_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding
+    expected = {(name, shard) for name, shard in _expected_shards(model, packed)}
+    loaded: set[tuple[str, object]] = set()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for ckpt_name in f.keys():
+                if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                name, shard_id = _our_name(ckpt_name, packed)
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
+                param = params[name]
+                tensor = f.get_tensor(ckpt_name).to(param.dtype)
+                loader = getattr(param, "weight_loader", None)
+                try:
+                    if shard_id is None:
+                        (loader or (lambda p, w, s=None: default_weight_loader(p, w)))(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
+                loaded.add((name, shard_id))
+
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+    if missing:
+        raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
+
+
+def _our_name(ckpt_name: str, packed: dict) -> tuple[str, object]:
+    for ckpt_part, (our_part, shard_id) in packed.items():
+        if f".{ckpt_part}." in ckpt_name:
+            return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
+    return ckpt_name, None
+
+
+def _expected_shards(model: nn.Module, packed: dict):
+    """Every (parameter, shard) the checkpoint must provide."""
+    shards_of: dict[str, list] = {}
+    for ckpt_part, (our_part, shard_id) in packed.items():
+        shards_of.setdefault(our_part, []).append(shard_id)
+    for name, _ in model.named_parameters():
+        module = name.split(".")[-2] if "." in name else ""
+        if module in shards_of:
+            for shard_id in shards_of[module]:
+                yield name, shard_id
+        else:
+            yield name, None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """Build the right model class for the checkpoint at ``path`` and load its weights."""
+    config = ModelConfig.from_pretrained(path)
+    model_class = get_model_class(config.architecture)
+    dtype = dtype or config.torch_dtype
+    with torch.device(device):
+        model = model_class(config)
+    model.to(dtype)
+    load_weights(model, path)
+    return model.eval()

@@ -1,0 +1,131 @@
+"""Qwen3 (dense): a pre-norm decoder with grouped-query attention, q/k RMSNorm and SwiGLU.
+
+The module tree mirrors the checkpoint's tensor names (model.layers.N.self_attn.q_proj,
+...) so loading is a lookup, except where we pack: q/k/v into ``qkv_proj`` and gate/up
+into ``gate_up_proj`` (``packed_modules_mapping`` tells the loader which goes where).
+"""
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.attention import Attention
+from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
+from minivllm.layers.linear import GateUpLinear, Linear, QKVLinear
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            # Normalising each head's query and key keeps attention logits in range.
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rotary_dim,
+            config.rope_scaling,
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse in its add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name -> (our parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states for a flat batch of tokens ([num_tokens] ids and positions)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor, all_tokens: bool = False) -> torch.Tensor:
+        """Next-token logits: for each sequence's last token, or for every token."""
+        if not all_tokens:
+            hidden_states = last_token_states(hidden_states)
+        return self.lm_head(hidden_states)

@@ -1,0 +1,17 @@
+"""Which class implements which checkpoint: keyed by config.json's ``architectures``."""
+from torch import nn
+
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None
