@@ -30,7 +30,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the q/k/v projections
+    o_proj_bias: bool = False  # a bias on the output projection (Llama/Qwen3 with attention_bias; not Qwen2)
     qk_norm: bool = False
     torch_dtype: torch.dtype = torch.float32
     eos_token_id: list[int] = field(default_factory=list)
@@ -91,7 +92,8 @@ class ModelConfig:
             partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
+            attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
+            o_proj_bias=hf.get("attention_bias", False) and hf.get("model_type") != "qwen2",
             qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else dtype_name,
             eos_token_id=eos,
@@ -103,6 +105,7 @@ class ModelConfig:
         if not names:
             return
         self.attention_bias = "model.layers.0.self_attn.q_proj.bias" in names
+        self.o_proj_bias = "model.layers.0.self_attn.o_proj.bias" in names
         self.qk_norm = "model.layers.0.self_attn.q_norm.weight" in names
         # A checkpoint without a separate head must reuse the embedding matrix.
         if "lm_head.weight" not in names:

@@ -27,7 +27,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = QKVLinear(
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             # Normalising each head's query and key keeps attention logits in range.
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
