@@ -110,3 +110,41 @@ class ModelConfig:
         # A checkpoint without a separate head must reuse the embedding matrix.
         if "lm_head.weight" not in names:
             self.tie_word_embeddings = True
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model. Only these names are accepted as engine arguments."""
+
+    model: str
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the pool size (tests, the CPU)
+    cpu_kv_cache_space: float = 0.5  # GiB of KV pool on the CPU when num_kv_blocks is not given
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    record_trace: bool = False  # keep a per-step trace (who ran, blocks in use, hits, preemptions)
+
+    def __post_init__(self):
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size")
+        if self.num_kv_blocks is not None:
+            _positive(self, "num_kv_blocks")
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.cpu_kv_cache_space <= 0:
+            raise ValueError(f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 (GiB)")
+
+
+def _positive(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")

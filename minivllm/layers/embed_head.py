@@ -37,11 +37,11 @@ class LMHead(nn.Module):
 
 
 def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:
-    """In a prefill only each sequence's last token predicts the next one: keep those rows.
-    In a decode step every row is already a last token."""
+    """Only each sequence's last token predicts the next one: keep those rows.
+    (In a pure decode step every row already is one.)"""
     ctx = get_context()
-    if ctx.is_prefill:
-        if ctx.cu_seqlens_q is None:
-            return hidden_states[-1:]
-        return hidden_states[ctx.cu_seqlens_q[1:] - 1]
-    return hidden_states
+    if ctx.cu_seqlens_q is None:
+        return hidden_states[-1:]
+    if not ctx.is_prefill:
+        return hidden_states
+    return hidden_states[ctx.cu_seqlens_q[1:].long() - 1]

@@ -1,0 +1,1 @@
+"""The serving engine: sequences, the block manager, the scheduler and the model runner."""

@@ -1,0 +1,239 @@
+"""The engine loop: add requests, step, collect outputs.
+
+One ``step()`` = schedule → run the model on the batch → sample → update each sequence
+(append its token, detokenise, check stop conditions) → free the blocks of those that
+finished. Everything a serving front end needs (streaming, aborts) is built on these calls.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did, for plots of the scheduler at work."""
+
+    step: int
+    seqs: list[tuple[int, int, str]]  # (seq_id, tokens computed, "prefill" | "decode")
+    blocks_in_use: int
+    num_blocks: int
+    cache_hit_tokens: int  # prefix-cache hits at admissions this step
+    preempted: list[int]
+    finished: list[int]
+    seconds: float
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n, kind in self.seqs if kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for _, n, kind in self.seqs if kind == "decode")
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config)
+        model_config = self.runner.model_config
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # A sequence can never grow past the model's positions, nor past the whole pool.
+        limit = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = min(limit, model_config.max_position_embeddings, self.runner.num_kv_blocks * config.block_size)
+        self.eos_token_ids = set(model_config.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self.trace: list[StepRecord] = []
+        self.num_steps = 0
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> str:
+        """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
+        params = sampling_params or SamplingParams()
+        self.validate_prompt(prompt_token_ids)
+        seq = Sequence(prompt_token_ids, params, request_id)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+        self.requests[seq.request_id] = Request(seq, prompt, detok, generator)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        vocab = self.runner.model_config.vocab_size
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; this engine allows at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len}, limited by the model and by a KV pool of "
+                f"{self.runner.num_kv_blocks} blocks x {self.config.block_size} tokens)"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a token or finished."""
+        start = time.perf_counter()
+        hits_before = self.block_manager.cache_hit_tokens
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs and the head of the queue does not fit: cannot happen for a
+                # validated request, so it is a bug worth a loud error.
+                raise RuntimeError(f"scheduler is stuck: {self.scheduler.waiting[0]} cannot be admitted")
+            return []
+        kinds = ["decode" if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
+                 else "prefill" for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows = [i for i in range(len(batch)) if batch.completes(i)]
+        params = [batch.seqs[i].sampling_params for i in rows]
+        generators = [self.requests[batch.seqs[i].request_id].generator for i in rows]
+        banned = [self._banned_tokens(batch.seqs[i]) for i in rows]
+        sampled = self.runner.run(batch, rows, params, generators, banned)
+
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq)
+        outputs, finished = [], []
+        for j, i in enumerate(rows):
+            seq = batch.seqs[i]
+            request = self.requests[seq.request_id]
+            self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+            if seq.is_finished:
+                finished.append(seq.seq_id)
+                del self.requests[seq.request_id]
+            outputs.append(self._output(request))
+
+        elapsed = time.perf_counter() - start
+        num_prefill = sum(n for n, k in zip(batch.num_new_tokens, kinds) if k == "prefill")
+        phase = "prefill" if num_prefill else "decode"
+        self.stats[f"{phase}_tokens"] += num_prefill if num_prefill else len(batch)
+        self.stats[f"{phase}_seconds"] += elapsed
+        if self.config.record_trace:
+            self.trace.append(StepRecord(
+                step=self.num_steps,
+                seqs=[(s.seq_id, n, k) for s, n, k in zip(batch.seqs, batch.num_new_tokens, kinds)],
+                blocks_in_use=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+                num_blocks=self.block_manager.num_blocks,
+                cache_hit_tokens=self.block_manager.cache_hit_tokens - hits_before,
+                preempted=[s.seq_id for s in batch.preempted],
+                finished=finished,
+                seconds=elapsed,
+            ))
+        self.num_steps += 1
+        return outputs
+
+    def _banned_tokens(self, seq: Sequence) -> list[int]:
+        """Before min_tokens, the tokens that would end the request may not be drawn."""
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + params.stop_token_ids
+
+    def _append_token(self, request: Request, token: int, logprobs) -> None:
+        seq, params = request.seq, request.seq.sampling_params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            chosen, top_ids, top_values = logprobs
+            request.cumulative_logprob += chosen
+            entry = {tid: Logprob(v, rank=r + 1, decoded_token=self._decode_one(tid))
+                     for r, (tid, v) in enumerate(zip(top_ids, top_values))}
+            if token not in entry:
+                entry[token] = Logprob(chosen, rank=None, decoded_token=self._decode_one(token))
+            request.logprobs.append(entry)
+        past_min = seq.num_output_tokens > params.min_tokens or params.min_tokens == 0
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids and past_min:
+            reason, request.stop_reason = "stop", None
+        elif token in params.stop_token_ids and past_min:
+            reason, request.stop_reason = "stop", token
+        else:
+            if request.detokenizer is not None:
+                request.text += request.detokenizer.step(seq.output_token_ids)
+                if params.stop and past_min:
+                    for stop in params.stop:
+                        # Only the tail can hold a stop string that was not there before.
+                        at = request.text.find(stop, max(0, len(request.text) - len(stop) - 64))
+                        if at != -1:
+                            request.text = request.text[:at]
+                            reason, request.stop_reason = "stop", stop
+                            break
+            if reason is None and (
+                (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+                or seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _output(self, request: Request) -> RequestOutput:
+        seq = request.seq
+        completion = CompletionOutput(
+            index=0,
+            text=request.text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
+            logprobs=list(request.logprobs) if seq.sampling_params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

@@ -1,0 +1,176 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.tokenizer import load_tokenizer
+
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "bundled"
+ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device"}
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A local folder, a Hugging Face hub id (through the hub cache), or the bundled model."""
+    if model is None:
+        return BUNDLED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if str(model).count("/") != 1 or path.exists():
+        raise ValueError(f"model {str(model)!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B'")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            str(model), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
+        ))
+    except Exception as e:  # offline with no cached copy, unknown repo, no network...
+        raise ValueError(f"could not find model {str(model)!r} locally or in the Hugging Face cache: {e}") from e
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # On a CPU, float32 is both faster and exact; on a GPU, the checkpoint's half type.
+        if device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(names)}")
+    return names[dtype]
+
+
+class LLM:
+    """Offline inference. ``LLM()`` with no model uses the small bundled model."""
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | None = None, **engine_args):
+        unknown = set(engine_args) - ENGINE_ARGS
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(ENGINE_ARGS)}")
+        path = resolve_model(model)
+        from minivllm.config import ModelConfig
+
+        model_config = ModelConfig.from_pretrained(path)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config = EngineConfig(
+            model=str(path), dtype=resolve_dtype(dtype, model_config.torch_dtype, device),
+            device=str(device), **engine_args,
+        )
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.tokenizer = load_tokenizer(path)
+        self.engine = LLMEngine(config, self.tokenizer)
+        self._counter = 0
+
+    # -- inputs ------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model ships no tokenizer: pass prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        tokenized = [self._tokenize(p) for p in prompts]
+        for i, (ids, _) in enumerate(tokenized):
+            try:
+                self.engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = []
+        for (token_ids, text), params in zip(tokenized, sampling_params):
+            self._counter += 1
+            ids.append(self.engine.add_request(token_ids, params, request_id=f"req-{self._counter}", prompt=text))
+        return ids
+
+    # -- generation --------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        request_ids = self._add(prompts, sampling_params)
+        order = {rid: i for i, rid in enumerate(request_ids)}
+        results: list[RequestOutput | None] = [None] * len(request_ids)
+        engine = self.engine
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while any(r is None for r in results):
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+                s = engine.stats
+                bar.set_postfix_str(
+                    f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):.0f} tok/s, "
+                    f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):.0f} tok/s", refresh=False)
+        except BaseException:
+            for rid in request_ids:  # leave no half-done request behind
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one prompt's completion piece by piece, as tokens arrive."""
+        [request_id] = self._add([prompt], sampling_params)
+        sent = 0
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    text = output.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if output.finished:
+                        return
+        finally:
+            self.engine.abort_request(request_id)  # a no-op once finished
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        return self.tokenizer
