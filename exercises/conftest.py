@@ -1,0 +1,252 @@
+"""Grading: the tests in this folder run against your copies of the exercise files.
+
+``exercises/minivllm/`` holds a copy of each package file that has an exercise in it. While
+these tests run, an import hook makes every such module load from that copy: when any part
+of the engine does ``import minivllm.layers.norm``, it gets your ``rms_norm``. Every other
+module of ``minivllm`` comes from the package itself. With ``--solutions`` (or the
+environment variable ``MINIVLLM_GRADE=solutions``) the copies come from ``solutions/``
+instead, the reference answers.
+
+Each chapter is graded on its own: while the tests of chapter NN run (``test_chNN_*.py``),
+the functions that belong to other chapters' exercises are swapped for the reference ones,
+so an unfinished chapter 03 cannot fail chapter 01's tests and a chapter 01 mistake cannot
+fail chapter 03's.
+
+    pytest exercises                # grade all your answers
+    pytest exercises -k ch01        # one chapter
+    pytest exercises --solutions    # the same tests against the reference answers
+"""
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PACKAGE = "minivllm"
+TREES = {"exercises": HERE, "solutions": ROOT / "solutions"}
+CHAPTER_FILE = re.compile(r"^test_(ch\d\d)_")
+
+
+class GradedCopyFinder(importlib.abc.MetaPathFinder):
+    """Load ``minivllm.X.Y`` from ``<tree>/minivllm/X/Y.py`` when that copy exists."""
+
+    def __init__(self, tree: Path):
+        self.tree = tree
+
+    def copy_of(self, fullname: str) -> Path | None:
+        parts = fullname.split(".")
+        as_module = self.tree.joinpath(*parts).with_suffix(".py")
+        as_package = self.tree.joinpath(*parts, "__init__.py")
+        for copy in (as_module, as_package):
+            if copy.is_file():
+                return copy
+        return None
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):
+            return None
+        copy = self.copy_of(fullname)
+        if copy is not None and copy.name == "__init__.py":
+            # A package's own code from the copy, its submodules from the real package.
+            real = ROOT.joinpath(*fullname.split("."))
+            return importlib.util.spec_from_file_location(fullname, copy, submodule_search_locations=[str(real)])
+        if copy is not None:
+            return importlib.util.spec_from_file_location(fullname, copy)
+        if fullname == PACKAGE:
+            # The package next to this folder, never exercises/minivllm as a namespace package.
+            return importlib.machinery.PathFinder.find_spec(fullname, [str(ROOT)])
+        return None
+
+
+def _generator():
+    """scripts/make_exercises.py, which knows where the regions are."""
+    spec = importlib.util.spec_from_file_location("_make_exercises", ROOT / "scripts" / "make_exercises.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--solutions",
+        action="store_true",
+        help="grade the reference copies in solutions/ instead of your copies in exercises/",
+    )
+
+
+def pytest_configure(config):
+    mode = "solutions" if config.getoption("--solutions") else os.environ.get("MINIVLLM_GRADE", "exercises")
+    if mode not in TREES:
+        raise pytest.UsageError(f"MINIVLLM_GRADE={mode!r}: use 'exercises' or 'solutions'")
+    gen = _generator()
+    try:
+        sources = gen.scan(ROOT)
+    except gen.MarkerError as e:
+        raise pytest.UsageError(f"the solution markers in the package are malformed:\n{e}") from None
+    missing = [f"{tree}/{s.rel}" for s in sources for tree in TREES if not (ROOT / tree / s.rel).is_file()]
+    if missing:
+        raise pytest.UsageError(
+            "missing generated files (run python scripts/make_exercises.py): " + ", ".join(missing)
+        )
+    # Anything of minivllm imported before now came from the package; import it again.
+    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+        del sys.modules[name]
+    finder = GradedCopyFinder(TREES[mode])
+    sys.meta_path.insert(0, finder)
+    config._minivllm_grading = dict(mode=mode, finder=finder, sources=sources)
+
+
+def pytest_unconfigure(config):
+    grading = getattr(config, "_minivllm_grading", None)
+    if grading and grading["finder"] in sys.meta_path:
+        sys.meta_path.remove(grading["finder"])
+
+
+def _graded_line(config) -> str:
+    grading = config._minivllm_grading
+    tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
+    who = "your copies" if grading["mode"] == "exercises" else "the reference copies"
+    return f"graded: {who} in {tree}/{PACKAGE}/ (the rest of {PACKAGE} from {PACKAGE}/)"
+
+
+def pytest_report_header(config):
+    grading = config._minivllm_grading
+    tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
+    files = ", ".join(f"{tree}/{s.rel}" for s in grading["sources"])
+    return [_graded_line(config), f"graded files: {files}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(_graded_line(config))
+
+
+# --- one chapter at a time ------------------------------------------------------------
+
+
+def _reference_code(path: Path, qualname: str) -> types.CodeType:
+    """The code object of function ``qualname`` in the file at ``path``, without running it."""
+
+    def walk(code, prefix):
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                name = prefix + const.co_name
+                if name == qualname:
+                    return const
+                found = walk(const, name + ".")
+                if found is not None:
+                    return found
+        return None
+
+    found = walk(compile(path.read_text(encoding="utf-8"), str(path), "exec"), "")
+    if found is None:
+        raise LookupError(f"{qualname} is not in {path}; run python scripts/make_exercises.py")
+    return found
+
+
+def _swap_in(module: types.ModuleType, qualname: str, code: types.CodeType):
+    """Make ``module.<qualname>`` run ``code``; return a function that undoes it."""
+    *outer, name = qualname.split(".")
+    owner = module
+    for part in outer:
+        owner = getattr(owner, part)
+    raw = vars(owner)[name]
+    target = raw
+    if isinstance(target, (staticmethod, classmethod)):
+        target = target.__func__
+    elif isinstance(target, property):
+        target = target.fget
+    target = inspect.unwrap(target)
+    target = getattr(target, "fn", target)  # a kernel decorator keeps the function as .fn
+    if isinstance(target, types.FunctionType) and target.__code__.co_freevars == code.co_freevars:
+        # Swapping the code keeps every existing reference (``from ... import f``) in step.
+        old = target.__code__
+        target.__code__ = code
+
+        def undo():
+            target.__code__ = old
+
+        return undo
+    if isinstance(target, types.FunctionType) and set(code.co_freevars) <= {"__class__"}:
+        cells = tuple(types.CellType(owner) for _ in code.co_freevars)
+        new = types.FunctionType(code, target.__globals__, target.__name__, target.__defaults__, cells)
+        new.__kwdefaults__ = target.__kwdefaults__
+        wrapped = type(raw)(new) if isinstance(raw, (staticmethod, classmethod)) else new
+        setattr(owner, name, wrapped)
+        return lambda: setattr(owner, name, raw)
+    raise TypeError(f"cannot swap the reference into {module.__name__}.{qualname} ({type(raw).__name__})")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _grade_one_chapter(request):
+    """Your code for this file's chapter; the reference for every other chapter's regions."""
+    grading = request.config._minivllm_grading
+    match = CHAPTER_FILE.match(Path(request.module.__file__).name)
+    chapter = match.group(1) if match else None
+    tree = TREES[grading["mode"]]
+    undo = []
+    try:
+        for source in grading["sources"]:
+            swaps = [] if grading["mode"] == "solutions" or chapter is None else [
+                function for function, of in source.functions().items() if of != chapter
+            ]
+            if swaps:
+                try:
+                    importlib.import_module(source.module)
+                except ImportError:
+                    continue  # needs what this machine lacks (a GPU library): nothing here can call it
+            module = sys.modules.get(source.module)
+            if module is None:
+                continue
+            expected = tree / source.rel
+            if Path(module.__file__).resolve() != expected:
+                pytest.fail(
+                    f"{source.module} was loaded from {module.__file__}, not from {expected}: "
+                    f"something imported {PACKAGE} before the grader was set up",
+                    pytrace=False,
+                )
+            for function in swaps:
+                code = _reference_code(TREES["solutions"] / source.rel, function)
+                undo.append(_swap_in(module, function, code))
+        yield chapter
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+# --- shared fixtures ------------------------------------------------------------------
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Fresh random examples every run (no example database), no per-example deadline: the
+# first call into torch is slow and says nothing about the answer.
+settings.register_profile(
+    "grading", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("grading")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """A tiny random-weight Qwen3 checkpoint, float32, written by transformers itself."""
+    from minivllm.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(tiny_qwen3):
+    """transformers' own model on the same checkpoint: the reference for end-to-end tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()

@@ -1,0 +1,38 @@
+# Exercise copy of minivllm/layers/norm.py, generated from it by scripts/make_exercises.py.
+# Fill in: rms_norm (ch01).
+# Grade: pytest exercises -k ch01
+# Running the generator again overwrites this file: commit or copy your work first.
+
+"""RMSNorm, with the residual add fused in.
+
+A pre-norm decoder layer always does ``residual = x + residual; x = norm(residual)``.
+Doing both in one call saves a pass over the activations (and, on the GPU, a kernel).
+"""
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise the last dimension of x by its root mean square, then scale by weight.
+
+    The statistics are computed in float32 whatever x's dtype, as transformers does:
+    a bfloat16 mean of squares over thousands of channels loses too many bits.
+    """
+    raise NotImplementedError("ch01: rms_norm: y = x / sqrt(mean(x**2) + eps) * weight, statistics in float32, result in x's dtype, see notebooks/01_weights_forward.ipynb")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: return norm(x). With it: add x into the residual
+        stream first and return (norm(x + residual), x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

@@ -1,0 +1,161 @@
+"""Chapter 01 — the forward pass: RMSNorm and the SwiGLU gate.
+
+Your ``rms_norm`` (exercises/minivllm/layers/norm.py) and ``silu_and_mul``
+(exercises/minivllm/layers/activation.py) are compared with transformers' Qwen3RMSNorm and
+with plain float64 math on random inputs of many shapes and dtypes, then run inside a whole
+Qwen3 model whose logits must match transformers'.
+
+Tolerances: float32 results may differ from the reference by the order of operations
+(``x / sqrt`` against ``x * rsqrt``, a different summation order), a few ulps, so 1e-5
+relative; bfloat16 and float16 results may be rounded once more or once less than the
+reference, so two units in the last place of the dtype (1.6e-2 and 2e-3 relative).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from minivllm.context import reset_context
+from minivllm.layers.activation import SiluAndMul, silu_and_mul
+from minivllm.layers.norm import RMSNorm, rms_norm
+from minivllm.loader import load_model
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rtol, atol) per dtype, see the module docstring.
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (2e-3, 1e-5)}
+
+
+def assert_close(actual, expected):
+    assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual).__name__}"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype}, expected {expected.dtype}"
+    rtol, atol = TOL[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def random_tensor(shape, dtype, seed, scale=1.0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + offset).to(dtype)
+
+
+def hf_rms_norm(x, weight, eps):
+    norm = Qwen3RMSNorm(x.shape[-1], eps).to(weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return norm(x)
+
+
+# --- rms_norm -------------------------------------------------------------------------
+
+shapes = st.tuples(
+    st.lists(st.integers(1, 4), min_size=0, max_size=2),  # leading dims: tokens, heads
+    st.sampled_from([1, 2, 7, 16, 64, 100]),  # the normalised (hidden) dim
+)
+
+
+@settings(max_examples=30)
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(DTYPES),
+    eps=st.sampled_from([1e-6, 1e-5, 1e-2, 1.0]),
+    scale=st.sampled_from([1e-2, 1.0, 20.0]),
+    offset=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 2**31),
+)
+def test_ch01_rms_norm_matches_transformers(shape, dtype, eps, scale, offset, seed):
+    leading, hidden = shape
+    x = random_tensor((*leading, hidden), dtype, seed, scale, offset * scale)
+    weight = random_tensor((hidden,), dtype, seed + 1, 0.5, 1.0)
+    before = x.clone()
+    out = rms_norm(x, weight, eps)
+    assert torch.equal(x, before), "rms_norm must not change its input"
+    assert_close(out, hf_rms_norm(x, weight, eps))
+
+
+def test_ch01_rms_norm_uses_eps():
+    # Small activations, where eps decides the answer; a row of zeros must give zeros, not nan.
+    x = random_tensor((3, 32), torch.float32, 0, scale=1e-3)
+    x[1] = 0.0
+    weight = random_tensor((32,), torch.float32, 1, 0.5, 1.0)
+    for eps in (1e-6, 1e-2):
+        assert_close(rms_norm(x, weight, eps), hf_rms_norm(x, weight, eps))
+
+
+def test_ch01_rms_norm_is_not_layer_norm():
+    # A large common offset: RMSNorm keeps it (the output is nearly constant), LayerNorm removes it.
+    x = random_tensor((4, 64), torch.float32, 2, scale=0.1, offset=3.0)
+    weight = random_tensor((64,), torch.float32, 3, 0.5, 1.0)
+    assert_close(rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
+
+
+def test_ch01_rms_norm_statistics_in_float32():
+    # float16 tops out at 65504: squares of activations in the hundreds overflow it, so the
+    # mean of squares must be taken in float32 (and the result returned as float16).
+    x = random_tensor((2, 128), torch.float16, 4, scale=300.0)
+    weight = random_tensor((128,), torch.float16, 5, 0.5, 1.0)
+    out = rms_norm(x, weight, 1e-6)
+    assert torch.isfinite(out).all(), "inf or nan: were the statistics computed in float16?"
+    assert_close(out, hf_rms_norm(x, weight, 1e-6))
+
+
+def test_ch01_rms_norm_module_with_residual():
+    # The module adds the residual first, then normalises: (norm(x + r), x + r).
+    torch.manual_seed(0)
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48) * 0.5 + 1)
+    x, residual = torch.randn(5, 48), torch.randn(5, 48)
+    out, new_residual = norm(x, residual)
+    assert_close(new_residual, x + residual)
+    assert_close(out, hf_rms_norm(x + residual, norm.weight.detach(), 1e-5))
+
+
+# --- silu_and_mul ---------------------------------------------------------------------
+
+
+def reference_silu_and_mul(x):
+    """SwiGLU's gate in float64: x = [gate | up], silu(gate) * up, silu(g) = g * sigmoid(g)."""
+    gate, up = x.double().split(x.shape[-1] // 2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(x.dtype)
+
+
+@settings(max_examples=30)
+@given(
+    leading=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    half=st.sampled_from([1, 3, 8, 64]),
+    dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from([0.1, 1.0, 8.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_ch01_silu_and_mul_matches_reference(leading, half, dtype, scale, seed):
+    x = random_tensor((*leading, 2 * half), dtype, seed, scale)
+    before = x.clone()
+    out = silu_and_mul(x)
+    assert torch.equal(x, before), "silu_and_mul must not change its input"
+    assert_close(out, reference_silu_and_mul(x))
+
+
+def test_ch01_silu_and_mul_gate_is_the_first_half():
+    # gate = [-4, 0, 4], up = [1, 1, 1]: silu(gate); swapping gate and up gives silu(1) * gate.
+    x = torch.tensor([[-4.0, 0.0, 4.0, 1.0, 1.0, 1.0]])
+    assert_close(SiluAndMul()(x), F.silu(torch.tensor([[-4.0, 0.0, 4.0]])))
+
+
+# --- the whole model ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 13])
+def test_ch01_qwen3_logits_match_transformers(tiny_qwen3, hf_qwen3, length):
+    # Both sides compute the same float32 math in a different order (packed projections,
+    # another attention kernel): logits of order 1 agree to ~1e-6; 1e-4 leaves room for
+    # that and none for a wrong norm or gate, which moves logits by ~1e-1.
+    model = load_model(tiny_qwen3)
+    ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+    reset_context()
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(length)), all_tokens=True)
+        expected = hf_qwen3(ids[None]).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)

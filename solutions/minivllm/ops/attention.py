@@ -1,0 +1,96 @@
+# Reference copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: causal_attention (ch02).
+# Do not edit: change minivllm/ops/attention.py and run scripts/make_exercises.py again.
+
+"""Attention ops: the torch reference.
+
+Tokens arrive packed: q is [num_tokens, num_heads, head_dim] for all sequences of a step,
+and the step's Context says where each sequence starts. Keys and values either come with
+the step (no cache) or are written into a KV cache first and read back from it, so one
+code path serves a first prefill, a prefill that continues cached context, and a decode.
+"""
+import torch
+import torch.nn.functional as F
+
+from minivllm.context import Context
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one sequence's queries over its keys, causal, with grouped-query heads.
+
+    q: [q_len, num_heads, head_dim]; k, v: [kv_len, num_kv_heads, head_dim], kv_len >= q_len.
+    The queries are the *last* q_len positions of the sequence, so query i may see keys
+    0 .. kv_len - q_len + i. Each group of num_heads / num_kv_heads query heads shares one
+    key/value head. Returns [q_len, num_heads, head_dim].
+    """
+    q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    key_pos = torch.arange(kv_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each new token's key and value into its slot of the cache.
+
+    The cache is [num_blocks, block_size, num_kv_heads, head_dim]; slot s is row
+    s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
+    Slot -1 marks a padding token that must not be stored.
+    """
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, heads, dim]
+    return blocks.flatten(0, 1)[:length]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    ctx: Context,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a packed batch of sequences, one sequence at a time (the reference).
+
+    Without a cache each sequence attends over its own tokens in this step. With one, the
+    new keys and values are stored first and each sequence then attends over everything it
+    has cached (context_lens), prefix and new tokens alike.
+    """
+    use_cache = k_cache is not None and ctx.slot_mapping is not None
+    if use_cache:
+        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+    if ctx.cu_seqlens_q is None:
+        cu_seqlens = torch.tensor([0, q.shape[0]])
+    else:
+        cu_seqlens = ctx.cu_seqlens_q.cpu()
+    out = torch.empty_like(q)
+    for i in range(len(cu_seqlens) - 1):
+        start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        if use_cache:
+            length = int(ctx.context_lens[i])
+            k_i = gather_kv(k_cache, ctx.block_tables[i], length)
+            v_i = gather_kv(v_cache, ctx.block_tables[i], length)
+        else:
+            k_i, v_i = k[start:end], v[start:end]
+        out[start:end] = causal_attention(q[start:end], k_i, v_i, scale)
+    return out
