@@ -1,8 +1,13 @@
 """Tiny random-weight Hugging Face checkpoints, for tests and CPU notebooks.
 
 The checkpoint is written by transformers itself (its config class and model), so what we
-load is exactly what a real checkpoint of that family looks like, only small.
+load is exactly what a real checkpoint of that family looks like, only small. With
+``with_tokenizer=True`` the folder also gets a small byte-level BPE tokenizer (its
+vocabulary is exactly the model's 512 tokens), an end-of-text token and a ChatML chat
+template, so text features (stop strings, streaming, chat) can be tested on tiny models.
 """
+import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,6 +27,35 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+
+# ChatML, as Qwen uses it: every turn is "<|im_start|>role\ncontent<|im_end|>\n".
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# Enough distinct text for the BPE trainer to find the 253 merges a 512-token vocabulary needs.
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Hello, world! How are you today?",
+    "The scheduler decides which sequences run in each step.",
+    "Prefix caching lets requests that share a prompt share its blocks.",
+    "Sampling draws the next token from the model's probabilities.",
+    "It was the best of times, it was the worst of times.",
+    "To be, or not to be, that is the question.",
+    "Once upon a time there was a small language model that wanted to be fast.",
+    "Numbers like 12, 345 and 6789 appear in text as well as words.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "Continuous batching keeps the accelerator busy while requests come and go.",
+)
+
 
 def make_tiny_checkpoint(
     path: str | Path,
@@ -31,13 +65,15 @@ def make_tiny_checkpoint(
     tie_word_embeddings: bool = True,
     max_shard_size: str | int | None = None,
     init_std: float = 0.08,
+    with_tokenizer: bool = False,
     **overrides,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``path`` and return the path.
 
     ``overrides`` change config fields (e.g. ``num_hidden_layers=4``). ``init_std`` is larger
     than transformers' default so the logits of a random model are not all nearly equal,
-    which would make greedy decoding a coin toss between near-ties.
+    which would make greedy decoding a coin toss between near-ties. ``with_tokenizer`` also
+    writes a tokenizer whose end-of-text token (id 0) is the model's ``eos_token_id``.
     """
     import transformers
 
@@ -45,6 +81,8 @@ def make_tiny_checkpoint(
         raise ValueError(f"unknown family {family!r}; available: {sorted(FAMILIES)}")
     config_name, model_name = FAMILIES[family]
     fields = {**TINY_SHAPES, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std}
+    if with_tokenizer:
+        fields["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
     fields.update(overrides)
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(seed)
@@ -58,4 +96,69 @@ def make_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        write_tiny_tokenizer(path, vocab_size=config.vocab_size, model_max_length=config.max_position_embeddings)
     return path
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, model_max_length: int = 512) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` tokens on TOKENIZER_TEXT and save it in ``path``.
+
+    Byte-level means any string encodes (unknown bytes fall back to the 256 byte tokens)
+    and every id decodes, so random tokens from a random model still become text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the tiny tokenizer came out with {tok.get_vocab_size()} tokens, not {vocab_size}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    added = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+@contextmanager
+def torch_threads(n: int = 1):
+    """Run torch on ``n`` CPU threads inside the block.
+
+    A tiny model's matmuls are microseconds long; on a busy machine, waking a pool of
+    threads for each one costs far more than the work (often ten times the single-thread
+    time), so engine tests on tiny checkpoints run single-threaded.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
