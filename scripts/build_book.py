@@ -29,6 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "_build"
 HTML = BUILD / "html"
 STATIC = BUILD / ".static"  # listed in _config.yml as html_static_path
+DOCTREES = BUILD / ".doctrees"
+# Written only after a clean build. Sphinx re-reads only changed pages, so after a failed
+# build an unchanged page would not repeat its warning and the next build would pass;
+# without this stamp the next build starts from scratch instead.
+OK_STAMP = BUILD / ".book-ok"
 MATHJAX_VERSION = "3.2.2"
 MATHJAX_ENTRY = "tex-mml-chtml.js"  # the mathjax_path in _config.yml, relative to _static
 # What a page needs: the combined TeX component, lazily loaded TeX extensions, the CHTML
@@ -124,8 +129,10 @@ def main() -> int:
 
     if args.clean:
         shutil.rmtree(HTML, ignore_errors=True)
-        shutil.rmtree(BUILD / ".doctrees", ignore_errors=True)
         shutil.rmtree(BUILD / "jupyter_execute", ignore_errors=True)
+    if args.clean or not OK_STAMP.is_file():
+        shutil.rmtree(DOCTREES, ignore_errors=True)  # re-read every page
+    OK_STAMP.unlink(missing_ok=True)
     stage_mathjax()
     # -W: warnings are errors; -n: nitpicky (broken cross-references warn);
     # --keep-going: report every warning before failing.
@@ -135,6 +142,7 @@ def main() -> int:
         log("FAILED: the build reported warnings or errors (see above)")
         return result.returncode
     check_no_cdn_mathjax()
+    OK_STAMP.write_text("")
     log(f"book built: {(HTML / 'index.html').relative_to(ROOT)}")
     return 0
 

@@ -14,7 +14,7 @@ page has math, every formula has been typeset by MathJax, without errors. Separa
 no page may load MathJax from the network.
 
 Needs ``/usr/bin/chromium`` (``bash scripts/install_test_deps.sh``). Builds the book with
-``scripts/build_book.py`` if ``_build/html`` does not exist.
+``scripts/build_book.py`` if ``_build/html`` does not exist or its last build failed.
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ PAGES = toc_files()
 
 @pytest.fixture(scope="session")
 def site() -> Path:
-    if not (HTML / "index.html").is_file():
+    # Build when there is no site, or when the last build did not finish cleanly
+    # (scripts/build_book.py writes _build/.book-ok only after a build without warnings).
+    if not (HTML / "index.html").is_file() or not (ROOT / "_build" / ".book-ok").is_file():
         result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_book.py")], cwd=ROOT)
         assert result.returncode == 0, "scripts/build_book.py failed; see its output above"
     return HTML
