@@ -36,6 +36,7 @@ class Block:
         self.ref_count = 0
         self.hash: int | None = None  # set once the block is full (and prefix caching is on)
         self.token_ids: list[int] = []  # kept to guard against hash collisions
+        self.parent_id: int | None = None  # the block before it when it was hashed (same reason)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={'-' if self.hash is None else hex(self.hash)[:8]})"
@@ -74,7 +75,10 @@ class BlockManager:
             tokens = seq.block_tokens(i, self.block_size)
             h = block_hash(tokens, parent)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or a collision
+            # A miss, or a collision: the block must hold these tokens *after the blocks
+            # already matched*, or it would hand out keys computed for another prefix.
+            if block_id is None or self.blocks[block_id].token_ids != tokens or \
+                    self.blocks[block_id].parent_id != (hits[-1] if hits else None):
                 break
             hits.append(block_id)
             parent = h
@@ -146,6 +150,7 @@ class BlockManager:
                 tokens = seq.block_tokens(i, self.block_size)
                 block.hash = block_hash(tokens, parent)
                 block.token_ids = tokens
+                block.parent_id = seq.block_table[i - 1] if i else None
                 # First writer wins: an identical block computed twice stays a private copy.
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
