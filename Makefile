@@ -29,7 +29,7 @@ test: setup
 	bash scripts/install_test_deps.sh
 	$(PY) scripts/make_exercises.py --check
 	$(PY) scripts/build_book.py
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not gpu" tests
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 

@@ -16,6 +16,15 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of KV cache that ``num_tokens`` tokens occupy: a key and a value vector per
+    token, per key/value head, per layer. The one formula behind every memory budget."""
+    # BEGIN SOLUTION ch04 "kv_cache_bytes: 2 (a key and a value) x num_layers x num_kv_heads x head_dim x num_tokens elements, times the bytes of one element of dtype (torch.empty((), dtype=dtype).element_size())"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * num_tokens * itemsize
+    # END SOLUTION
+
+
 class ContiguousKVCache:
     """One [batch, max_len, kv_heads, head_dim] key and value tensor per layer."""
 
@@ -28,6 +37,7 @@ class ContiguousKVCache:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv[i, 0], self.kv[i, 1]
         self.layers = layers
+        self.batch_size = batch_size
         self.max_len = max_len
 
     def detach(self) -> None:
@@ -35,7 +45,12 @@ class ContiguousKVCache:
             layer.k_cache = layer.v_cache = None
 
     def nbytes(self) -> int:
+        """Bytes reserved: every row's ``max_len`` slots, used or not."""
         return self.kv.numel() * self.kv.element_size()
+
+    def bytes_per_token(self) -> int:
+        first = self.layers[0]
+        return kv_cache_bytes(len(self.layers), first.num_kv_heads, first.head_dim, 1, self.kv.dtype)
 
 
 @torch.inference_mode()
@@ -66,8 +81,9 @@ def generate(
         slots = torch.tensor([i * max_len + t for i, n in enumerate(lens) for t in range(n)], device=device)
         cu = torch.tensor([0] + lens, device=device).cumsum(0)
         set_context(
-            is_prefill=True, cu_seqlens_q=cu, slot_mapping=slots,
-            context_lens=torch.tensor(lens, device=device), block_tables=block_tables,
+            is_prefill=True, cu_seqlens_q=cu.int(), slot_mapping=slots,
+            context_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+            block_tables=block_tables.int(), max_seqlen_q=max(lens), max_context_len=max(lens),
         )
         next_tokens = model.compute_logits(model(input_ids, positions)).argmax(-1)
         done = [False] * batch
@@ -83,8 +99,9 @@ def generate(
             slots = torch.arange(batch, device=device) * max_len + positions
             lens = [n + 1 for n in lens]
             set_context(
-                is_prefill=False, cu_seqlens_q=torch.arange(batch + 1, device=device), slot_mapping=slots,
-                context_lens=torch.tensor(lens, device=device), block_tables=block_tables,
+                is_prefill=False, cu_seqlens_q=torch.arange(batch + 1, device=device, dtype=torch.int32),
+                slot_mapping=slots, context_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+                block_tables=block_tables.int(), max_seqlen_q=1, max_context_len=max(lens),
             )
             next_tokens = model.compute_logits(model(next_tokens, positions)).argmax(-1)
     finally:

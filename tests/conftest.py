@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The flag must be set before
+# any kernel is decorated, i.e. before minivllm.kernels is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minivllm.testing import make_tiny_checkpoint
 
@@ -13,3 +20,12 @@ def tiny_qwen3(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_need_cuda(request):
+    """A test marked gpu fails on a machine without CUDA instead of skipping. `make test`
+    deselects them (-m "not gpu"); scripts/gpu_check.sh runs them on the GPU."""
+    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA GPU: run it through scripts/gpu_check.sh")

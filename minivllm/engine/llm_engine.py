@@ -31,6 +31,8 @@ class StepRecord:
     preempted: list[int]
     finished: list[int]
     seconds: float
+    kv_tokens_read: int = 0  # cached tokens the step's attention reads (its K/V traffic)
+    attention_pairs: int = 0  # (query, visible key) pairs: the attention FLOPs / (4 * heads * dim)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,9 +63,7 @@ class LLMEngine:
         model_config = self.runner.model_config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        # A sequence can never grow past the model's positions, nor past the whole pool.
-        limit = config.max_model_len or model_config.max_position_embeddings
-        self.max_model_len = min(limit, model_config.max_position_embeddings, self.runner.num_kv_blocks * config.block_size)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = set(model_config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -137,6 +137,8 @@ class LLMEngine:
         params = [batch.seqs[i].sampling_params for i in rows]
         generators = [self.requests[batch.seqs[i].request_id].generator for i in rows]
         banned = [self._banned_tokens(batch.seqs[i]) for i in rows]
+        kv_tokens_read = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
+        attention_pairs = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(batch.seqs, batch.num_new_tokens))
         sampled = self.runner.run(batch, rows, params, generators, banned)
 
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -167,6 +169,8 @@ class LLMEngine:
                 preempted=[s.seq_id for s in batch.preempted],
                 finished=finished,
                 seconds=elapsed,
+                kv_tokens_read=kv_tokens_read,
+                attention_pairs=attention_pairs,
             ))
         self.num_steps += 1
         return outputs

@@ -1,6 +1,10 @@
 """The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
 runs the forward pass and samples.
 
+On a GPU, decode steps replay CUDA graphs captured once per batch size (the batch is
+padded up to the next captured size), which removes the CPU cost of launching a few
+hundred small kernels per step. Prefill steps run eagerly.
+
 The KV pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks, block_size,
 num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU the number
 of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a warm-up
@@ -9,7 +13,7 @@ forward pass has shown the activations' peak; on the CPU it comes from a configu
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.context import reset_context, set_context
+from minivllm.context import get_context, reset_context, set_context
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.generate import attention_layers
 from minivllm.layers.sampler import Sampler, SamplerOutput
@@ -26,6 +30,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)
         self.num_kv_blocks = self._allocate_kv_cache()
+        # A sequence can never grow past the model's positions, nor past the whole pool.
+        limit = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, self.model_config.max_position_embeddings, self.num_kv_blocks * self.block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.capture_cudagraphs()
 
     # -- the KV pool -------------------------------------------------------------------
 
@@ -110,6 +120,8 @@ class ModelRunner:
             slot_mapping=as_tensor(slots).long(),
             context_lens=as_tensor(context_lens),
             block_tables=as_tensor(tables),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
         )
         return as_tensor(input_ids).long(), as_tensor(positions).long()
 
@@ -118,10 +130,75 @@ class ModelRunner:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``."""
         input_ids, positions = self.prepare(batch)
         try:
-            hidden = self.model(input_ids, positions)
+            ctx = get_context()
+            if not ctx.is_prefill and self.graphs and len(batch) <= self.graph_sizes[-1]:
+                hidden = self._replay(input_ids, positions)
+            else:
+                hidden = self.model(input_ids, positions)
             if not rows_to_sample:
                 return None
-            logits = self.model.compute_logits(hidden)[rows_to_sample]
+            logits = self.model.compute_logits(hidden)
+            if len(rows_to_sample) != logits.shape[0]:
+                logits = logits[torch.tensor(rows_to_sample, device=logits.device)]
         finally:
             reset_context()
         return self.sampler(logits, params, generators, banned)
+
+    # -- CUDA graphs for decode ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Capture one decode graph per batch size, largest first, sharing one memory pool.
+
+        A graph replays fixed kernels on fixed addresses, so every input lives in a static
+        buffer that ``_replay`` fills before each replay. The attention kernels are sized
+        for max_model_len, the longest context any replay may see.
+        """
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs} | {max_bs})
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        dev = self.device
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "hidden": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
+        }
+        s = self.static
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            graph = torch.cuda.CUDAGraph()
+            self._set_decode_context(bs)
+            s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])  # warm-up: compile kernels
+            with torch.cuda.graph(graph, pool):
+                s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            reset_context()
+
+    def _set_decode_context(self, bs: int) -> None:
+        s = self.static
+        set_context(
+            is_prefill=False, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][:bs],
+            context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
+            max_seqlen_q=1, max_context_len=self.max_model_len,
+        )
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = next(b for b in self.graph_sizes if b >= n)
+        s, ctx = self.static, get_context()
+        s["input_ids"][:n] = input_ids
+        s["positions"][:n] = positions
+        s["slot_mapping"][:bs].fill_(-1)  # padding rows store nothing ...
+        s["slot_mapping"][:n] = ctx.slot_mapping
+        s["context_lens"][:bs].zero_()  # ... and attend to nothing
+        s["context_lens"][:n] = ctx.context_lens
+        width = ctx.block_tables.shape[1]
+        s["block_tables"][:n, :width] = ctx.block_tables
+        self.graphs[bs].replay()
+        return s["hidden"][:n]

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, latency, kernel speed, each against the roofline."""

@@ -1,0 +1,42 @@
+"""The two ceilings of a GPU, measured in the same run as the benchmark they judge.
+
+Copy bandwidth: a large device-to-device copy, counting bytes read plus bytes written.
+Matmul rate: a large bf16 matrix product on random data (zeros run faster than real data).
+"""
+import torch
+
+QWEN3_0_6B = dict(  # Qwen3-0.6B's exact shapes
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+
+
+def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
+    """Median seconds of fn() on the GPU, timed with CUDA events after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings(device: str = "cuda") -> dict:
+    n = 2**30  # 1 GiB of bf16 values each way: far beyond the 60 MB L2
+    src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() * src.element_size() / t
+    del src, dst
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = time_cuda(lambda: a @ b)
+    flops = 2 * 8192**3 / t
+    return {"copy_bandwidth_bytes_per_s": bandwidth, "bf16_matmul_flops_per_s": flops,
+            "device": torch.cuda.get_device_name(device)}

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU check: GPU tests, every notebook under nbval on CUDA (executed copies saved so the
+# book shows GPU outputs), and the benchmarks; prints one summary table last.
+#
+# Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack is
+# missing (the lent GPU box), carry wheels from ../shared/device/wheels.sh in .whl/: they
+# are installed to /tmp/site first. Results land in $OUT (default: .out/gpu) and in
+# benchmarks/.
+#   bash scripts/gpu_check.sh [tests] [notebooks] [bench]   (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-.out/gpu}
+mkdir -p "$OUT" benchmarks
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ! python3 -c 'import nbval' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" PATH="/tmp/site/bin:$PATH"
+fi
+parts=${*:-tests notebooks bench}
+declare -A status
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
+
+if [[ $parts == *tests* ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) \
+    2>&1 | tee "$OUT/tests.log"
+  status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
+fi
+if [[ $parts == *notebooks* ]]; then
+  # Execute in place (the committed copies then carry GPU outputs), then nbval over them.
+  python3 scripts/execute_notebooks.py notebooks/[0-9]*.ipynb 2>&1 | tee "$OUT/notebooks.log"
+  ok=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
+  tar czf "$OUT/notebooks.tgz" notebooks/[0-9]*.ipynb
+  if [ "${NBVAL:-1}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+      --nbval-sanitize-with notebooks/sanitize.cfg notebooks/ 2>&1 | tee -a "$OUT/notebooks.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || ok=FAIL
+  fi
+  status[notebooks]=$ok
+fi
+if [[ $parts == *bench* ]]; then
+  ok=pass
+  for which in kernels latency throughput; do
+    python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
+  done
+  tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
+  status[bench]=$ok
+fi
+
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = []
+def load(name):
+    p = os.path.join("benchmarks", name)
+    return json.load(open(p)) if os.path.exists(p) else None
+k, l, t = load("kernels.json"), load("latency.json"), load("throughput.json")
+if k:
+    for c in k["paged_decode_attention"]:
+        rows.append((f"paged decode attn b={c['batch']} ctx={c['context']}", f"{c['seconds']*1e6:.0f} us",
+                     f"{c['percent_of_copy_bandwidth']:.0f}% of copy BW"))
+if l:
+    rows.append(("batch-1 decode, CUDA graphs", f"{l['cuda_graphs']['decode_tokens_per_s']:.0f} tok/s",
+                 f"{l['percent_of_speed_of_light_with_graphs']:.0f}% of SOL"))
+    rows.append(("batch-1 decode, eager", f"{l['eager']['decode_tokens_per_s']:.0f} tok/s", f"graphs x{l['graph_speedup']:.2f}"))
+    for n, s in l["cuda_graphs"]["ttft_seconds"].items():
+        rows.append((f"TTFT {n}-token prompt", f"{s*1e3:.1f} ms", ""))
+if t:
+    m = t["minivllm"]
+    rows.append(("throughput (256 req)", f"{m['output_tokens_per_s']:.0f} tok/s", f"{m['percent_of_speed_of_light']:.0f}% of SOL"))
+    tr = t.get("transformers") or {}
+    for key in ("generate_batch", "padded_generate"):
+        r = tr.get(key, {})
+        rows.append((f"transformers {key}", f"{r['output_tokens_per_s']:.0f} tok/s" if "output_tokens_per_s" in r else r.get("error", "-")[:60], ""))
+    c = t["ceilings"]
+    rows.append(("ceilings", f"{c['copy_bandwidth_bytes_per_s']/1e12:.2f} TB/s copy", f"{c['bf16_matmul_flops_per_s']/1e12:.0f} TFLOP/s bf16"))
+print("\n=== GPU check summary ===")
+for r in rows:
+    print(f"{r[0]:<40} {r[1]:>22} {r[2]:>22}")
+PY
+for part in "${!status[@]}"; do echo "$part: ${status[$part]}"; done
+for part in "${!status[@]}"; do [ "${status[$part]}" = pass ] || exit 1; done

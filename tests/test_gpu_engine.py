@@ -1,0 +1,85 @@
+"""The engine on a CUDA GPU: Triton kernels and CUDA graphs against transformers.
+
+Marked gpu: `make test` deselects them on the CPU; scripts/gpu_check.sh runs them.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(2, 300, (24,), generator=g)]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt], device=model.device)
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_float32_greedy_identical_to_transformers(tmp_path, prompts, enforce_eager):
+    """float32 on the GPU: the kernels use true float32 dot products, so greedy decoding is
+    token for token the same as transformers', with CUDA graphs and without."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_checkpoint(tmp_path, seed=5, max_position_embeddings=1024)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(path), dtype="float32", enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
+              block_size=16, max_num_batched_tokens=512, record_trace=True)
+    assert bool(llm.engine.runner.graphs) != enforce_eager
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 48)
+    assert any(len(s.seqs) > 1 and all(k == "decode" for *_, k in s.seqs) for s in llm.engine.trace)
+
+
+def test_bfloat16_logits_close_to_transformers(tmp_path):
+    """bfloat16: first-token logits agree with transformers' bf16 within bf16 rounding of
+    O(1) logits summed over a few layers (atol 0.1), and the top token agrees."""
+    path = make_tiny_checkpoint(tmp_path, seed=6, dtype=torch.bfloat16, hidden_size=256, intermediate_size=768,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_hidden_layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 512, (200,), generator=g).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float().log_softmax(-1)
+    top = ref.topk(5)
+    ours = out.outputs[0].logprobs[0]
+    assert out.outputs[0].token_ids[0] == int(top.indices[0])
+    for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+        assert tid in ours and abs(ours[tid].logprob - lp) < 0.1
+
+
+def test_cuda_graphs_match_eager_in_bfloat16(tmp_path, prompts):
+    """Graph replay runs the very same kernels as eager decode: identical tokens."""
+    path = make_tiny_checkpoint(tmp_path, seed=8, dtype=torch.bfloat16, max_position_embeddings=1024)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    results = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.2)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert results[0] == results[1]
+
+
+def test_kv_pool_sized_from_measured_memory(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, seed=9, dtype=torch.bfloat16)
+    small = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)
+    n_small = small.engine.runner.num_kv_blocks
+    del small
+    torch.cuda.empty_cache()
+    large = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True)
+    n_large = large.engine.runner.num_kv_blocks
+    total = torch.cuda.get_device_properties(0).total_memory
+    block = large.engine.runner.block_bytes
+    # Doubling the share adds about 10% of the card's memory worth of blocks.
+    assert abs((n_large - n_small) * block - 0.1 * total) < 0.02 * total
