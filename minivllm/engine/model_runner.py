@@ -10,6 +10,7 @@ num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU
 of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a warm-up
 forward pass has shown the activations' peak; on the CPU it comes from a configured size.
 """
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -112,14 +113,16 @@ class ModelRunner:
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
+        tables = np.full((len(batch.seqs), width), -1, dtype=np.int32)  # padded with -1
+        for row, seq in zip(tables, batch.seqs):
+            row[: len(seq.block_table)] = seq.block_table
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
         set_context(
             is_prefill=any(n > 1 for n in batch.num_new_tokens),
             cu_seqlens_q=as_tensor(cu),
             slot_mapping=as_tensor(slots).long(),
             context_lens=as_tensor(context_lens),
-            block_tables=as_tensor(tables),
+            block_tables=torch.from_numpy(tables).to(self.device),
             max_seqlen_q=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
         )
