@@ -63,11 +63,12 @@ class Sampler:
         banned: list[list[int]] | None = None,
     ) -> SamplerOutput:
         logits = logits.float()
+        # Log-probabilities are reported as the model gave them, before any processing.
+        raw_logprobs = logits.log_softmax(dim=-1)
         if banned:  # e.g. EOS before min_tokens is reached
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, ids] = float("-inf")
-        raw_logprobs = logits.log_softmax(dim=-1)
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = logits.argmax(dim=-1)
