@@ -187,12 +187,12 @@ class LLMEngine:
         seq, params = request.seq, request.seq.sampling_params
         seq.token_ids.append(token)
         if logprobs is not None:
-            chosen, top_ids, top_values = logprobs
+            chosen, rank, top_ids, top_values = logprobs
             request.cumulative_logprob += chosen
             entry = {tid: Logprob(v, rank=r + 1, decoded_token=self._decode_one(tid))
                      for r, (tid, v) in enumerate(zip(top_ids, top_values))}
             if token not in entry:
-                entry[token] = Logprob(chosen, rank=None, decoded_token=self._decode_one(token))
+                entry[token] = Logprob(chosen, rank=rank, decoded_token=self._decode_one(token))
             request.logprobs.append(entry)
         past_min = seq.num_output_tokens > params.min_tokens or params.min_tokens == 0
         reason = None

@@ -50,8 +50,9 @@ def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: (log-prob of the chosen token, top-n token ids, their log-probs), or None.
-    logprobs: list[tuple[float, list[int], list[float]] | None]
+    # Per row: (log-prob of the chosen token, its rank (1 = most likely), top-n token ids,
+    # their log-probs), or None.
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
 class Sampler:
@@ -97,8 +98,10 @@ class Sampler:
                 logprobs.append(None)
                 continue
             top = raw_logprobs[row].topk(p.logprobs) if p.logprobs else None
+            chosen = raw_logprobs[row, token_list[row]]
             logprobs.append((
-                float(raw_logprobs[row, token_list[row]]),
+                float(chosen),
+                int((raw_logprobs[row] > chosen).sum()) + 1,
                 top.indices.tolist() if top is not None else [],
                 top.values.tolist() if top is not None else [],
             ))
