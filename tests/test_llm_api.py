@@ -1,0 +1,333 @@
+"""The offline API: LLM(...).generate / chat / stream, model resolution, bad input, aborts.
+
+Shaped like vLLM's, so these tests read like its documentation: prompts as text, token ids
+or dicts; outputs in prompt order with ``.outputs[0].text``; errors that name what was
+wrong and leave every other request as it was.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.llm import BUNDLED_MODEL
+from minivllm.testing import make_tiny_checkpoint, torch_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("api-qwen3"), seed=0, with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(model=str(checkpoint), num_kv_blocks=128, block_size=8)
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    prompts = ["Hello, world!", [5, 6, 7, 8], {"prompt_token_ids": [9, 10, 11]}, {"prompt": "The quick brown fox"}]
+    # Different lengths, so the requests finish in another order than they were given.
+    lengths = [7, 2, 5, 3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert [o.prompt for o in outputs] == ["Hello, world!", None, None, "The quick brown fox"]
+    assert outputs[0].prompt_token_ids == tok.encode("Hello, world!", add_special_tokens=False)
+    assert outputs[1].prompt_token_ids == [5, 6, 7, 8]
+    assert outputs[2].prompt_token_ids == [9, 10, 11]
+    assert outputs[3].prompt_token_ids == tok.encode("The quick brown fox", add_special_tokens=False)
+    assert len({o.request_id for o in outputs}) == 4
+    for o in outputs:
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason == "length" and c.stop_reason is None
+        assert c.logprobs is None
+        assert c.text == tok.decode(c.token_ids).rstrip("\ufffd")
+
+    # Text and its token ids are the same request; one SamplingParams serves every prompt.
+    same = llm.generate(["Hello, world!", {"prompt_token_ids": outputs[0].prompt_token_ids}],
+                        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    # A single prompt (text, or one list of token ids) is a batch of one.
+    [single] = llm.generate("Hello, world!", params[0], use_tqdm=False)
+    assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    [single] = llm.generate([5, 6, 7, 8], params[1], use_tqdm=False)
+    assert single.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
+
+
+def test_default_sampling_params_and_stop_reason(llm):
+    [out] = llm.generate([[5, 6, 7, 8]], use_tqdm=False)  # vLLM's default: 16 tokens
+    assert len(out.outputs[0].token_ids) == 16 or out.outputs[0].finish_reason == "stop"
+    first = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    [out] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first[1]]),
+                         use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == first[1]
+    assert out.outputs[0].token_ids == first[: first.index(first[1]) + 1]
+    [out] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
+    assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
+
+
+def test_mismatched_params_list(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
+    [out] = llm.chat(conversation, GREEDY, use_tqdm=False)
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt == expected
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    assert out.prompt_token_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")  # one special token
+    [plain] = llm.generate([{"prompt_token_ids": out.prompt_token_ids}], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    # A list of conversations; without the generation prompt.
+    outs = llm.chat([conversation, conversation[1:]], GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert len(outs) == 2 and not outs[1].prompt.endswith("assistant\n")
+    assert outs[1].prompt == "<|im_start|>user\nHello, world!<|im_end|>\n"
+
+
+def test_stream_deltas_add_up_to_the_generated_text(llm):
+    prompt = "Hello, world!"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [expected] = llm.generate([prompt], params, use_tqdm=False)
+    deltas = list(llm.stream(prompt, params))
+    assert len(deltas) >= 3 and all(deltas)
+    assert "".join(deltas) == expected.outputs[0].text
+    assert not llm.engine.has_unfinished_requests()
+    # Seeded sampling streams the same text as it generates.
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    assert "".join(llm.stream(prompt, params)) == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    # Leaving a stream early aborts its request and frees its blocks.
+    stream = llm.stream(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(stream)
+    assert llm.engine.has_unfinished_requests()
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_engine_arguments_are_checked(checkpoint):
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM(model=str(checkpoint), max_num_seq=4)  # a typo of max_num_seqs
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model=str(checkpoint), block_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(model=str(checkpoint), dtype="float8")
+    with pytest.raises(ValueError, match="no/such/folder/here"):
+        LLM(model="no/such/folder/here")
+
+
+def test_string_prompt_needs_a_tokenizer(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "no-tokenizer", seed=0)
+    llm = LLM(model=str(path), num_kv_blocks=16)
+    assert llm.get_tokenizer() is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)
+    [out] = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 8
+
+
+def populate_hub_cache(cache: Path, repo_id: str, files: Path) -> str:
+    """Lay ``files`` out as huggingface_hub's cache does after a download.
+
+    models--{org}--{name}/blobs/<id> hold the bytes, snapshots/<commit>/<file> link to
+    them, and refs/main names the commit.
+    """
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for i, f in enumerate(sorted(files.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, repo / "snapshots" / commit), repo / "snapshots" / commit / f.name)
+    (repo / "refs" / "main").write_text(commit)  # no newline, as the hub client writes it
+    return commit
+
+
+def test_hub_id_resolves_through_the_cache(checkpoint, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    home = tmp_path / "hf"
+    commit = populate_hub_cache(home / "hub", "tiny-org/tiny-qwen3", checkpoint)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The hub client reads these once, at import: point its copies at the test cache too.
+    monkeypatch.setattr(hub_constants, "HF_HOME", str(home), raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(home / "hub"), raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
+
+    llm = LLM(model="tiny-org/tiny-qwen3", num_kv_blocks=32)
+    assert Path(llm.engine.config.model).parts[-2:] == ("snapshots", commit)
+    local = LLM(model=str(checkpoint), num_kv_blocks=32)
+    prompts = ["Hello, world!", [3, 1, 4, 1, 5]]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in local.generate(prompts, GREEDY, use_tqdm=False)]
+    with pytest.raises(ValueError, match="tiny-org/missing"):
+        LLM(model="tiny-org/missing")
+
+
+def run_engine(llm, requests, bad=(), abort_at=None):
+    """Add ``requests`` to llm.engine, step; after two steps try ``bad`` ones and abort one.
+
+    Returns the final outputs by request id.
+    """
+    engine = llm.engine
+    for rid, prompt, params in requests:
+        engine.add_request(prompt, params, request_id=rid)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        if steps == 2:
+            for prompt, match in bad:
+                before = (len(engine.scheduler.waiting), len(engine.scheduler.running), engine.block_manager.num_free_blocks)
+                with pytest.raises(ValueError, match=match):
+                    engine.add_request(prompt, GREEDY)
+                after = (len(engine.scheduler.waiting), len(engine.scheduler.running), engine.block_manager.num_free_blocks)
+                assert after == before
+            if abort_at is not None:
+                seq = engine.requests[abort_at].seq
+                held = set(seq.block_table)
+                others = {b for s in engine.scheduler.running if s is not seq for b in s.block_table}
+                free_before = engine.block_manager.num_free_blocks
+                assert engine.abort_request(abort_at)
+                assert engine.block_manager.num_free_blocks == free_before + len(held - others)
+                assert seq.finish_reason == "abort" and seq.block_table == []
+                assert not engine.abort_request(abort_at)  # already gone
+                engine.block_manager.check_invariants(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return done
+
+
+REQUESTS = [
+    ("a", [11, 12, 13, 14, 15, 16, 17, 18, 19], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+    ("b", [21, 22, 23], SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)),
+    ("c", list(range(30, 60)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+    ("d", [7] * 17, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def small_pool_args():
+    # 8 blocks of 8 tokens: max_model_len is capped at 64 by the pool.
+    return dict(num_kv_blocks=8, block_size=8, max_num_seqs=3)
+
+
+@pytest.fixture(scope="module")
+def clean_run(checkpoint, small_pool_args):
+    return run_engine(LLM(model=str(checkpoint), **small_pool_args), REQUESTS)
+
+
+def test_bad_requests_leave_the_others_alone(checkpoint, small_pool_args, clean_run):
+    assert sorted(clean_run) == ["a", "b", "c", "d"]
+    llm = LLM(model=str(checkpoint), **small_pool_args)
+    assert llm.engine.max_model_len == 64
+    bad = [
+        ([1] * 64, "max_model_len=64"),  # as long as the limit: no room for a token
+        ([1] * 100, r"8 blocks x 8 tokens"),  # could never fit in the pool
+        ([], "non-empty"),
+        ([1, 512], r"\[0, 512\)"),  # outside the vocabulary
+        ([-1], r"\[0, 512\)"),
+    ]
+    engine = llm.engine
+    for rid, prompt, params in REQUESTS:
+        engine.add_request(prompt, params, request_id=rid)
+    with pytest.raises(ValueError, match="request_id 'a'"):
+        engine.add_request([1, 2], GREEDY, request_id="a")
+    # The same through LLM.generate: a batch with one bad prompt is refused whole.
+    with pytest.raises(ValueError, match="prompt 1.*max_model_len"):
+        llm.generate([[1, 2, 3], [1] * 70], GREEDY, use_tqdm=False)
+    assert len(engine.requests) == 4
+    for rid in ("a", "b", "c", "d"):
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+
+    # Bad requests arriving mid-run.
+    llm = LLM(model=str(checkpoint), **small_pool_args)
+    done = run_engine(llm, REQUESTS, bad=bad)
+    assert done == clean_run
+
+
+def test_max_model_len_is_enforced(checkpoint):
+    llm = LLM(model=str(checkpoint), num_kv_blocks=64, block_size=8, max_model_len=20)
+    with pytest.raises(ValueError, match="max_model_len=20"):
+        llm.generate([[1] * 20], GREEDY, use_tqdm=False)
+    [out] = llm.generate([[1] * 15], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_abort_mid_run(checkpoint, small_pool_args, clean_run):
+    llm = LLM(model=str(checkpoint), **small_pool_args)
+    done = run_engine(llm, REQUESTS, abort_at="c")
+    assert sorted(done) == ["a", "b", "d"]
+    assert {k: done[k] for k in "abd"} == {k: clean_run[k] for k in "abd"}
+    # Aborting one still waiting (max_num_seqs=3: "d" was not admitted yet).
+    llm = LLM(model=str(checkpoint), **small_pool_args)
+    for rid, prompt, params in REQUESTS:
+        llm.engine.add_request(prompt, params, request_id=rid)
+    llm.engine.step()
+    assert [s.request_id for s in llm.engine.scheduler.waiting] == ["d"]
+    assert llm.engine.abort_request("d")
+    assert not llm.engine.abort_request("nonexistent")
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in llm.engine.step() if o.finished})
+    assert done == {k: clean_run[k] for k in "abc"}
+
+
+def test_progress_bar(llm, capsys):
+    llm.generate([[1, 2, 3]] * 2, GREEDY, use_tqdm=False)
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    llm.generate([[1, 2, 3]] * 2, GREEDY, use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_bundled_model_is_the_default():
+    assert (BUNDLED_MODEL / "config.json").exists() and (BUNDLED_MODEL / "tokenizer.json").exists()
+    llm = LLM(num_kv_blocks=64)
+    assert Path(llm.engine.config.model) == BUNDLED_MODEL
+    [out] = llm.generate(["To be, or not to be"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert out.outputs[0].text.strip()
+
+
+def test_offline_inference_example_runs():
+    """examples/offline_inference.py, as a user would run it, on the bundled model."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "offline_inference.py"), "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "To be, or not to be:" in out
+    assert out.count(" tokens, ") == 4  # one line per prompt of the batch
+    assert "streaming" in out
+    streamed = out.split("streaming", 1)[1].split("\n", 1)[1]
+    assert streamed.strip(), "the streamed completion is empty"
