@@ -28,12 +28,14 @@ import types
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PACKAGE = "minivllm"
 TREES = {"exercises": HERE, "solutions": ROOT / "solutions"}
 CHAPTER_FILE = re.compile(r"^test_(ch\d\d)_")
+GRADING = pytest.StashKey[dict]()  # mode, finder, sources
 
 
 class GradedCopyFinder(importlib.abc.MetaPathFinder):
@@ -88,6 +90,12 @@ def pytest_configure(config):
     mode = "solutions" if config.getoption("--solutions") else os.environ.get("MINIVLLM_GRADE", "exercises")
     if mode not in TREES:
         raise pytest.UsageError(f"MINIVLLM_GRADE={mode!r}: use 'exercises' or 'solutions'")
+    for arg in config.args:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path.exists() and path != HERE and HERE not in path.parents:
+            # The grader swaps modules of minivllm for the whole process: other tests would
+            # run against the exercise copies too.
+            raise pytest.UsageError(f"grade exercises/ in a run of its own: {arg} is outside it")
     gen = _generator()
     try:
         sources = gen.scan(ROOT)
@@ -103,24 +111,24 @@ def pytest_configure(config):
         del sys.modules[name]
     finder = GradedCopyFinder(TREES[mode])
     sys.meta_path.insert(0, finder)
-    config._minivllm_grading = dict(mode=mode, finder=finder, sources=sources)
+    config.stash[GRADING] = dict(mode=mode, finder=finder, sources=sources)
 
 
 def pytest_unconfigure(config):
-    grading = getattr(config, "_minivllm_grading", None)
+    grading = config.stash.get(GRADING, None)
     if grading and grading["finder"] in sys.meta_path:
         sys.meta_path.remove(grading["finder"])
 
 
 def _graded_line(config) -> str:
-    grading = config._minivllm_grading
+    grading = config.stash[GRADING]
     tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
     who = "your copies" if grading["mode"] == "exercises" else "the reference copies"
     return f"graded: {who} in {tree}/{PACKAGE}/ (the rest of {PACKAGE} from {PACKAGE}/)"
 
 
 def pytest_report_header(config):
-    grading = config._minivllm_grading
+    grading = config.stash[GRADING]
     tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
     files = ", ".join(f"{tree}/{s.rel}" for s in grading["sources"])
     return [_graded_line(config), f"graded files: {files}"]
@@ -189,7 +197,7 @@ def _swap_in(module: types.ModuleType, qualname: str, code: types.CodeType):
 @pytest.fixture(scope="module", autouse=True)
 def _grade_one_chapter(request):
     """Your code for this file's chapter; the reference for every other chapter's regions."""
-    grading = request.config._minivllm_grading
+    grading = request.config.stash[GRADING]
     match = CHAPTER_FILE.match(Path(request.module.__file__).name)
     chapter = match.group(1) if match else None
     tree = TREES[grading["mode"]]
@@ -224,8 +232,6 @@ def _grade_one_chapter(request):
 
 
 # --- shared fixtures ------------------------------------------------------------------
-
-from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Fresh random examples every run (no example database), no per-example deadline: the
 # first call into torch is slow and says nothing about the answer.

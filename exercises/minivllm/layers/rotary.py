@@ -14,10 +14,12 @@ import math
 import torch
 from torch import nn
 
+from minivllm.ops.dispatch import use_triton
+
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The rotation speed of each channel pair: base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1."""
-    raise NotImplementedError("ch03: rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in float32, see the chapter 03 notebook")
+    raise NotImplementedError("ch03: rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in float32, see notebooks/03_rope.ipynb")
 
 
 def llama3_scale_inv_freq(
@@ -44,7 +46,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x ([tokens, heads, rotary_dim]) by the angles whose cos and sin are given
     ([tokens, rotary_dim / 2]). Channel i pairs with channel i + rotary_dim/2 (the "NeoX"
     layout that Llama, Qwen and Gemma checkpoints use)."""
-    raise NotImplementedError("ch03: apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + x1*sin), see the chapter 03 notebook")
+    raise NotImplementedError("ch03: apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + x1*sin), see notebooks/03_rope.ipynb")
 
 
 class RotaryEmbedding(nn.Module):
@@ -80,6 +82,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens])."""
+        if use_triton(q) and self.rotary_dim == self.head_dim and not self.head_dim & (self.head_dim - 1):
+            from minivllm.kernels.elementwise import rope
+
+            return (rope(q, positions, self.cos_cache, self.sin_cache),
+                    rope(k, positions, self.cos_cache, self.sin_cache))
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.ops.dispatch import use_triton
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: x holds [gate | up] side by side; return silu(gate) * up.
@@ -20,4 +22,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from minivllm.kernels.elementwise import silu_and_mul as silu_and_mul_kernel
+
+            return silu_and_mul_kernel(x)
         return silu_and_mul(x)

@@ -10,6 +10,8 @@ Doing both in one call saves a pass over the activations (and, on the GPU, a ker
 import torch
 from torch import nn
 
+from minivllm.ops.dispatch import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise the last dimension of x by its root mean square, then scale by weight.
@@ -35,6 +37,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: return norm(x). With it: add x into the residual
         stream first and return (norm(x + residual), x + residual)."""
+        if use_triton(x):
+            from minivllm.kernels.elementwise import rms_norm as rms_norm_kernel
+
+            return rms_norm_kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

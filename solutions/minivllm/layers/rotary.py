@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from minivllm.ops.dispatch import use_triton
+
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The rotation speed of each channel pair: base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1."""
@@ -83,6 +85,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens])."""
+        if use_triton(q) and self.rotary_dim == self.head_dim and not self.head_dim & (self.head_dim - 1):
+            from minivllm.kernels.elementwise import rope
+
+            return (rope(q, positions, self.cos_cache, self.sin_cache),
+                    rope(k, positions, self.cos_cache, self.sin_cache))
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

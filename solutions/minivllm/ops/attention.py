@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.context import Context
+from minivllm.ops.dispatch import use_triton
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -77,6 +78,15 @@ def varlen_attention(
     has cached (context_lens), prefix and new tokens alike.
     """
     use_cache = k_cache is not None and ctx.slot_mapping is not None
+    if use_cache and use_triton(q):
+        from minivllm.kernels import kv_store, paged_attention
+
+        kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            return paged_attention.paged_prefill_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
+        return paged_attention.paged_decode_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len)
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     if ctx.cu_seqlens_q is None:

@@ -1,0 +1,209 @@
+# Reference copy of minivllm/engine/model_runner.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: ModelRunner.prepare (ch05).
+# Do not edit: change minivllm/engine/model_runner.py and run scripts/make_exercises.py again.
+
+"""The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
+runs the forward pass and samples.
+
+On a GPU, decode steps replay CUDA graphs captured once per batch size (the batch is
+padded up to the next captured size), which removes the CPU cost of launching a few
+hundred small kernels per step. Prefill steps run eagerly.
+
+The KV pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks, block_size,
+num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU the number
+of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a warm-up
+forward pass has shown the activations' peak; on the CPU it comes from a configured size.
+"""
+import numpy as np
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.context import get_context, reset_context, set_context
+from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.generate import attention_layers
+from minivllm.layers.sampler import Sampler, SamplerOutput
+from minivllm.loader import load_model
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.model_config = self.model.config
+        self.sampler = Sampler()
+        self.layers = attention_layers(self.model)
+        self.num_kv_blocks = self._allocate_kv_cache()
+        # A sequence can never grow past the model's positions, nor past the whole pool.
+        limit = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, self.model_config.max_position_embeddings, self.num_kv_blocks * self.block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.capture_cudagraphs()
+
+    # -- the KV pool -------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        first = self.layers[0]
+        itemsize = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * len(self.layers) * self.block_size * first.num_kv_heads * first.head_dim * itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_that_fit_on_gpu()
+        else:
+            num_blocks = int(config.cpu_kv_cache_space * 2**30) // self.block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache (one block needs {self.block_bytes} bytes); "
+                "raise gpu_memory_utilization or cpu_kv_cache_space, or set num_kv_blocks"
+            )
+        first = self.layers[0]
+        self.kv_cache = torch.empty(
+            2, len(self.layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
+            dtype=config.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        peak = torch.cuda.max_memory_allocated(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        # Budget = the allowed share of the card, minus what is in use now, minus the
+        # activations' headroom the warm-up showed we need on top of the weights.
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
+        return int(budget) // self.block_bytes
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One forward pass of the largest batch the scheduler can send, without a cache."""
+        max_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                      self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
+        ids = torch.zeros(num_seqs * max_len, dtype=torch.long, device=self.device)
+        positions = torch.arange(max_len, device=self.device).repeat(num_seqs)
+        cu = torch.arange(0, num_seqs + 1, device=self.device, dtype=torch.int32) * max_len
+        set_context(is_prefill=True, cu_seqlens_q=cu)
+        try:
+            self.model.compute_logits(self.model(ids, positions))
+        finally:
+            reset_context()
+
+    # -- one step ----------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flatten the batch into input ids and positions, and set the step's Context."""
+        input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            for p in range(start, start + n):
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            context_lens.append(start + n)
+            cu.append(cu[-1] + n)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = np.full((len(batch.seqs), width), -1, dtype=np.int32)  # padded with -1
+        for row, seq in zip(tables, batch.seqs):
+            row[: len(seq.block_table)] = seq.block_table
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+        set_context(
+            is_prefill=any(n > 1 for n in batch.num_new_tokens),
+            cu_seqlens_q=as_tensor(cu),
+            slot_mapping=as_tensor(slots).long(),
+            context_lens=as_tensor(context_lens),
+            block_tables=torch.from_numpy(tables).to(self.device),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
+        )
+        return as_tensor(input_ids).long(), as_tensor(positions).long()
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned) -> SamplerOutput | None:
+        """Compute the batch; sample a token for each sequence in ``rows_to_sample``."""
+        input_ids, positions = self.prepare(batch)
+        try:
+            ctx = get_context()
+            if not ctx.is_prefill and self.graphs and len(batch) <= self.graph_sizes[-1]:
+                hidden = self._replay(input_ids, positions)
+            else:
+                hidden = self.model(input_ids, positions)
+            if not rows_to_sample:
+                return None
+            logits = self.model.compute_logits(hidden)
+            if len(rows_to_sample) != logits.shape[0]:
+                logits = logits[torch.tensor(rows_to_sample, device=logits.device)]
+        finally:
+            reset_context()
+        return self.sampler(logits, params, generators, banned)
+
+    # -- CUDA graphs for decode ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Capture one decode graph per batch size, largest first, sharing one memory pool.
+
+        A graph replays fixed kernels on fixed addresses, so every input lives in a static
+        buffer that ``_replay`` fills before each replay. The attention kernels are sized
+        for max_model_len, the longest context any replay may see.
+        """
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs} | {max_bs})
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        dev = self.device
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "hidden": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
+        }
+        s = self.static
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            graph = torch.cuda.CUDAGraph()
+            self._set_decode_context(bs)
+            s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])  # warm-up: compile kernels
+            with torch.cuda.graph(graph, pool):
+                s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            reset_context()
+
+    def _set_decode_context(self, bs: int) -> None:
+        s = self.static
+        set_context(
+            is_prefill=False, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][:bs],
+            context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
+            max_seqlen_q=1, max_context_len=self.max_model_len,
+        )
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = next(b for b in self.graph_sizes if b >= n)
+        s, ctx = self.static, get_context()
+        s["input_ids"][:n] = input_ids
+        s["positions"][:n] = positions
+        s["slot_mapping"][:bs].fill_(-1)  # padding rows store nothing ...
+        s["slot_mapping"][:n] = ctx.slot_mapping
+        s["context_lens"][:bs].zero_()  # ... and attend to nothing
+        s["context_lens"][:n] = ctx.context_lens
+        width = ctx.block_tables.shape[1]
+        s["block_tables"][:n, :width] = ctx.block_tables
+        self.graphs[bs].replay()
+        return s["hidden"][:n]

@@ -1,0 +1,121 @@
+# Reference copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: Scheduler.schedule (ch07).
+# Do not edit: change minivllm/engine/scheduler.py and run scripts/make_exercises.py again.
+
+"""The scheduler: which sequences run this step, and how many tokens each computes.
+
+One rule covers prefill and decode alike. A sequence has ``num_tokens`` tokens of which
+``num_computed_tokens`` are in the KV cache; a step computes some of the rest. A decode is
+a sequence with exactly one token left (the one it just sampled); a prefill has many, and
+a prompt longer than the step's token budget is computed over several steps (chunked
+prefill). Running sequences are served first, so decodes are never starved by a long
+prompt; waiting ones are admitted with what budget is left. When the KV pool runs dry the
+most recently admitted running sequence is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed later.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def completes(self, i: int) -> bool:
+        """Does sequence i reach its last token this step (and so get a new token sampled)?"""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # 1. Running sequences first: decodes and unfinished chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    seq = None
+                    break
+            if seq is None:
+                break
+            self.block_manager.grow(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        # 2. Admit waiting sequences with the budget that is left (none after a preemption:
+        # memory is short, and the preempted sequence must go first).
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq finished and give its blocks back at once."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    if seq.status == SequenceStatus.WAITING:
+                        self.waiting.remove(seq)
+                        self.block_manager.free(seq)  # a preempted one holds none; harmless
+                        seq.status = SequenceStatus.FINISHED
+                        seq.finish_reason = "abort"
+                    else:
+                        self.finish(seq, "abort")
+                    return seq
+        return None

@@ -1,0 +1,108 @@
+# Reference copy of minivllm/layers/sampler.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: top_p_mask (ch08), gumbel_max_sample (ch08).
+# Do not edit: change minivllm/layers/sampler.py and run scripts/make_exercises.py again.
+
+"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, seeds.
+
+Each row of the batch has its own parameters. Filters set the logits of excluded tokens
+to -inf; the draw itself uses the Gumbel-max trick in its exponential form:
+argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, needs no cumulative sum
+and no host sync, and with a per-request generator gives the same draw whatever else is in
+the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (k = 0: keep all). Ties at the boundary are kept."""
+    vocab = logits.shape[-1]
+    k = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= p.unsqueeze(-1)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose probability is at least min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from probs, given Exp(1) noise of the same shape."""
+    return (probs / noise).argmax(dim=-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (log-prob of the chosen token, its rank (1 = most likely), top-n token ids,
+    # their log-probs), or None.
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned: list[list[int]] | None = None,
+    ) -> SamplerOutput:
+        logits = logits.float()
+        # Log-probabilities are reported as the model gave them, before any processing.
+        raw_logprobs = logits.log_softmax(dim=-1)
+        if banned:  # e.g. EOS before min_tokens is reached
+            for row, ids in enumerate(banned):
+                if ids:
+                    logits[row, ids] = float("-inf")
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+            scaled = logits / temperature.unsqueeze(-1)
+            if any(p.top_k for p in params):
+                scaled = top_k_mask(scaled, torch.tensor([p.top_k for p in params], device=device))
+            if any(p.top_p < 1 for p in params):
+                scaled = top_p_mask(scaled, torch.tensor([p.top_p for p in params], device=device))
+            if any(p.min_p > 0 for p in params):
+                scaled = min_p_mask(scaled, torch.tensor([p.min_p for p in params], device=device))
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for row, gen in enumerate(generators):
+                # A seeded request draws its own noise from its own generator, so its
+                # tokens do not depend on its neighbours in the batch.
+                if gen is not None:
+                    noise[row].exponential_(generator=gen)
+            sampled = gumbel_max_sample(probs, noise)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        logprobs: list = []
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            top = raw_logprobs[row].topk(p.logprobs) if p.logprobs else None
+            chosen = raw_logprobs[row, token_list[row]]
+            logprobs.append((
+                float(chosen),
+                int((raw_logprobs[row] > chosen).sum()) + 1,
+                top.indices.tolist() if top is not None else [],
+                top.values.tolist() if top is not None else [],
+            ))
+        return SamplerOutput(token_list, logprobs)
