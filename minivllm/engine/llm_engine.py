@@ -202,11 +202,12 @@ class LLMEngine:
             reason, request.stop_reason = "stop", token
         else:
             if request.detokenizer is not None:
+                before = len(request.text)
                 request.text += request.detokenizer.step(seq.output_token_ids)
                 if params.stop and past_min:
                     for stop in params.stop:
-                        # Only the tail can hold a stop string that was not there before.
-                        at = request.text.find(stop, max(0, len(request.text) - len(stop) - 64))
+                        # Only a stop string that ends in the new text can be new.
+                        at = request.text.find(stop, max(0, before - len(stop) + 1))
                         if at != -1:
                             request.text = request.text[:at]
                             reason, request.stop_reason = "stop", stop
