@@ -386,3 +386,34 @@ def test_valid_sampling_params_edges():
     # The ends of every allowed range are allowed.
     SamplingParams(top_p=1.0, min_p=1.0, min_tokens=4, max_tokens=4, logprobs=20, top_k=1)
     SamplingParams(max_tokens=None, min_tokens=100, min_p=0.0, logprobs=0)
+
+
+class LongPieces:
+    """A stand-in detokenizer whose every token decodes to a long piece of text."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def step(self, token_ids):
+        return self.pieces.pop(0)
+
+
+def test_stop_string_inside_a_long_delta(llm):
+    """A token's text can be long (runs of spaces or dashes in real vocabularies), and a
+    stop string anywhere in it must be found, at its first occurrence."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5, stop=["STOP"])
+    rid = engine.add_request([1, 2, 3], params, request_id="long-pieces")
+    request = engine.requests[rid]
+    engine.step()  # prefill and a first token, the ordinary way
+    assert request.seq in engine.scheduler.running
+    text = request.text
+    # The engine's own post-processing of two more tokens, with long pieces of text.
+    request.detokenizer = LongPieces(["a" * 10, "b" * 100 + "STOP" + "c" * 100 + "STOP"])
+    engine._append_token(request, 5, None)
+    assert request.seq.finish_reason is None
+    engine._append_token(request, 6, None)
+    assert request.text == text + "a" * 10 + "b" * 100
+    assert request.seq.finish_reason == "stop" and request.stop_reason == "STOP"
+    del engine.requests[rid]  # as step() does for a finished request
+    assert not engine.has_unfinished_requests()
