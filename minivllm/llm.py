@@ -91,7 +91,7 @@ class LLM:
             return list(prompt), None
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _add(self, prompts, sampling_params) -> list[str]:
+    def _add(self, prompts, sampling_params, stream: bool = False) -> list[str]:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -111,7 +111,8 @@ class LLM:
         ids = []
         for (token_ids, text), params in zip(tokenized, sampling_params):
             self._counter += 1
-            ids.append(self.engine.add_request(token_ids, params, request_id=f"req-{self._counter}", prompt=text))
+            ids.append(self.engine.add_request(token_ids, params, request_id=f"req-{self._counter}", prompt=text,
+                                               stream=stream))
         return ids
 
     # -- generation --------------------------------------------------------------------
@@ -143,7 +144,7 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one prompt's completion piece by piece, as tokens arrive."""
-        [request_id] = self._add([prompt], sampling_params)
+        [request_id] = self._add([prompt], sampling_params, stream=True)
         sent = 0
         try:
             while True:

@@ -59,16 +59,21 @@ def test_bfloat16_logits_close_to_transformers(tmp_path):
         assert tid in ours and abs(ours[tid].logprob - lp) < 0.1
 
 
-def test_cuda_graphs_match_eager_in_bfloat16(tmp_path, prompts):
-    """Graph replay runs the very same kernels as eager decode: identical tokens."""
-    path = make_tiny_checkpoint(tmp_path, seed=8, dtype=torch.bfloat16, max_position_embeddings=1024)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    results = []
-    for eager in (False, True):
-        llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.2)
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        del llm
-    assert results[0] == results[1]
+def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
+    """Batches of 3, 5 and 17 sequences replay the graphs captured for 4, 8 and 32, with
+    padding rows that store nothing and attend to nothing: tokens equal the eager run's
+    (float32, so split-order rounding cannot flip a greedy choice)."""
+    path = make_tiny_checkpoint(tmp_path, seed=8, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(1)
+    for n in (3, 5, 17):
+        batch = [torch.randint(0, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 200, (n,), generator=g)]
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        results = []
+        for eager in (False, True):
+            llm = LLM(str(path), dtype="float32", enforce_eager=eager, gpu_memory_utilization=0.1)
+            results.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
+            del llm
+        assert results[0] == results[1]
 
 
 def test_kv_pool_sized_from_measured_memory(tmp_path):

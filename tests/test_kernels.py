@@ -17,7 +17,7 @@ import torch
 
 from minivllm.context import Context
 from minivllm.ops.attention import store_kvcache as store_reference
-from minivllm.ops.attention import varlen_attention
+from minivllm.ops.attention import varlen_attention_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -50,7 +50,7 @@ def reference(q, k_cache, v_cache, tables, lens, q_lens, scale):
         context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
     )
     dummy = q[:, : k_cache.shape[2]].float()
-    return varlen_attention(q.float(), dummy, dummy, k_cache.float(), v_cache.float(), ctx, scale)
+    return varlen_attention_reference(q.float(), dummy, dummy, k_cache.float(), v_cache.float(), ctx, scale)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)

@@ -53,6 +53,7 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     stop_reason: int | str | None = None
+    stream: bool = False  # report every new token, not just the final output
 
 
 class LLMEngine:
@@ -80,6 +81,7 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt: str | None = None,
+        stream: bool = False,
     ) -> str:
         """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
         params = sampling_params or SamplingParams()
@@ -91,7 +93,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-        self.requests[seq.request_id] = Request(seq, prompt, detok, generator)
+        self.requests[seq.request_id] = Request(seq, prompt, detok, generator, stream=stream)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -121,7 +123,9 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that got a token or finished."""
+        """Run one step; return an output for every request that finished, and for every
+        streaming request that got a token. (Building an output copies the token list:
+        doing it for every request at every step would cost O(length^2) per request.)"""
         start = time.perf_counter()
         hits_before = self.block_manager.cache_hit_tokens
         batch = self.scheduler.schedule()
@@ -152,7 +156,8 @@ class LLMEngine:
             if seq.is_finished:
                 finished.append(seq.seq_id)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(request))
+            if seq.is_finished or request.stream:
+                outputs.append(self._output(request))
 
         elapsed = time.perf_counter() - start
         num_prefill = sum(n for n, k in zip(batch.num_new_tokens, kinds) if k == "prefill")

@@ -65,7 +65,8 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         # Log-probabilities are reported as the model gave them, before any processing.
-        raw_logprobs = logits.log_softmax(dim=-1)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if banned:  # e.g. EOS before min_tokens is reached
             for row, ids in enumerate(banned):
                 if ids:
