@@ -94,7 +94,7 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) 
     return result
 
 
-def run_transformers(path: Path, prompts, output_lens, num_requests: int = 64) -> dict:
+def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -> dict:
     """The same model through transformers, on the first ``num_requests`` requests (the full
     workload through padded generate would take minutes). Two ways: continuous batching
     (``generate_batch``) and one padded ``generate`` batch."""
@@ -120,7 +120,7 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 64) -
     # Continuous batching: one config for all requests, so every request generates the
     # mean output length (same total tokens as the workload subset).
     try:
-        model2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa_paged").cuda().eval()
+        model2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
         mean_len = round(sum(output_lens) / len(output_lens))
         config = GenerationConfig(max_new_tokens=mean_len, min_new_tokens=mean_len, do_sample=True, temperature=0.6,
                                   top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
