@@ -230,9 +230,15 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         seq = request.seq
+        text, stop = request.text, seq.sampling_params.stop
+        if stop and not seq.is_finished:
+            # The end of the text may be the start of a stop string that later tokens
+            # complete, and then it is cut off: hold it back until that is ruled out, so a
+            # stream never sends text it would have to take back.
+            text = text[: max(0, len(text) - max(map(len, stop)) + 1)]
         completion = CompletionOutput(
             index=0,
-            text=request.text,
+            text=text,
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=request.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
             logprobs=list(request.logprobs) if seq.sampling_params.logprobs is not None else None,
