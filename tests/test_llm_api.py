@@ -331,3 +331,19 @@ def test_offline_inference_example_runs():
     assert "streaming" in out
     streamed = out.split("streaming", 1)[1].split("\n", 1)[1]
     assert streamed.strip(), "the streamed completion is empty"
+
+
+def test_stream_with_a_stop_string_sends_nothing_it_takes_back(llm):
+    """A stop string can begin in one token's text and end in a later one's; the piece
+    that might begin it must not be streamed until it is known not to be a stop string."""
+    prompt = "To be, or not to be"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    ends = [len(tok.decode(free.outputs[0].token_ids[: i + 1])) for i in range(len(free.outputs[0].token_ids))]
+    text = free.outputs[0].text
+    boundary = next(e for e in ends if len(text) // 2 <= e < len(text))
+    for stop in (text[boundary - 2 : boundary + 1], text[boundary - 1 : boundary + 2]):  # spanning two tokens
+        params = SamplingParams(temperature=0, max_tokens=16, stop=stop)
+        [expected] = llm.generate(prompt, params, use_tqdm=False)
+        assert expected.outputs[0].finish_reason == "stop"
+        assert "".join(llm.stream(prompt, params)) == expected.outputs[0].text, stop
