@@ -199,7 +199,9 @@ class LLMEngine:
             if token not in entry:
                 entry[token] = Logprob(chosen, rank=rank, decoded_token=self._decode_one(token))
             request.logprobs.append(entry)
-        past_min = seq.num_output_tokens > params.min_tokens or params.min_tokens == 0
+        # Stop conditions apply once min_tokens tokens exist (as in vLLM). EOS and stop ids
+        # cannot be among the first min_tokens anyway: the sampler was not allowed them.
+        past_min = seq.num_output_tokens >= params.min_tokens
         reason = None
         if not params.ignore_eos and token in self.eos_token_ids and past_min:
             reason, request.stop_reason = "stop", None
