@@ -417,3 +417,18 @@ def test_stop_string_inside_a_long_delta(llm):
     assert request.seq.finish_reason == "stop" and request.stop_reason == "STOP"
     del engine.requests[rid]  # as step() does for a finished request
     assert not engine.has_unfinished_requests()
+
+
+def test_min_tokens_and_stop_strings(llm, greedy_run):
+    """As in vLLM, stop conditions apply once min_tokens tokens exist: a stop string that
+    the min_tokens-th token completes stops the request; one completed earlier does not."""
+    text, toks = greedy_run.text, greedy_run.token_ids
+    ends = piece_ends(llm.get_tokenizer(), toks)
+    stop = text[len(text) // 2 - 2 : len(text) // 2]
+    at = text.find(stop)
+    done_by = next(i + 1 for i, e in enumerate(ends) if e >= at + len(stop))  # tokens when it completes
+    assert done_by >= 2
+    out = one(llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=done_by, stop=stop))
+    assert out.finish_reason == "stop" and out.text == text[:at] and len(out.token_ids) == done_by
+    out = one(llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=done_by + 1, stop=stop))
+    assert len(out.token_ids) > done_by and out.text.startswith(text[: at + len(stop)])
