@@ -186,7 +186,9 @@ class LLMEngine:
         if seq.num_output_tokens >= params.min_tokens:
             return []
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + params.stop_token_ids
+        # An id the model cannot produce needs no banning (and would index past the logits).
+        vocab = self.runner.model_config.vocab_size
+        return [t for t in eos + params.stop_token_ids if t < vocab]
 
     def _append_token(self, request: Request, token: int, logprobs) -> None:
         seq, params = request.seq, request.seq.sampling_params
