@@ -432,3 +432,12 @@ def test_min_tokens_and_stop_strings(llm, greedy_run):
     assert out.finish_reason == "stop" and out.text == text[:at] and len(out.token_ids) == done_by
     out = one(llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=done_by + 1, stop=stop))
     assert len(out.token_ids) > done_by and out.text.startswith(text[: at + len(stop)])
+
+
+def test_stop_ids_outside_the_vocabulary_are_harmless(llm, greedy_run):
+    """A stop id the model cannot produce (here 10_000, vocabulary 512) never stops a
+    request, and holding it back for min_tokens must not break the step for anyone."""
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=3, stop_token_ids=[10_000], ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT], [params, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)],
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_run.token_ids] * 2
