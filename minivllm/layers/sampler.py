@@ -72,10 +72,12 @@ class Sampler:
                 if ids:
                     logits[row, ids] = float("-inf")
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        # Per-row settings are decided on the host: no device round trip just to branch.
+        greedy_rows = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows).to(device, non_blocking=True)
+            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).to(device, non_blocking=True)
             scaled = logits / temperature.unsqueeze(-1)
             if any(p.top_k for p in params):
                 scaled = top_k_mask(scaled, torch.tensor([p.top_k for p in params], device=device))
