@@ -40,6 +40,8 @@ class ModelRunner:
         limit = config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings, self.num_kv_blocks * self.block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pinned: torch.Tensor | None = None  # staging buffer for host-to-device copies
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
 
@@ -114,21 +116,40 @@ class ModelRunner:
             raise NotImplementedError("ch05: slot mapping: for each position p in start .. start + n - 1, append seq.block_table[p // bs] * bs + p % bs to slots, see notebooks/05_paged_blocks.ipynb")
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
+        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = np.full((len(batch.seqs), width), -1, dtype=np.int32)  # padded with -1
+        # Everything goes to the device in one copy: one int64 array, sliced into views.
+        host = np.full(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width, -1, dtype=np.int64)
+        host[: 3 * num_tokens] = input_ids + positions + slots
+        host[3 * num_tokens : 3 * num_tokens + 2 * num_seqs + 1] = context_lens + cu
+        tables = host[3 * num_tokens + 2 * num_seqs + 1 :][: num_seqs * width].reshape(num_seqs, width)
         for row, seq in zip(tables, batch.seqs):
-            row[: len(seq.block_table)] = seq.block_table
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+            row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
+        dev = self._to_device(host)
+        t, s = num_tokens, num_seqs
         set_context(
             is_prefill=any(n > 1 for n in batch.num_new_tokens),
-            cu_seqlens_q=as_tensor(cu),
-            slot_mapping=as_tensor(slots).long(),
-            context_lens=as_tensor(context_lens),
-            block_tables=torch.from_numpy(tables).to(self.device),
+            cu_seqlens_q=dev[3 * t + s : 3 * t + 2 * s + 1],
+            slot_mapping=dev[2 * t : 3 * t],
+            context_lens=dev[3 * t : 3 * t + s],
+            block_tables=dev[3 * t + 2 * s + 1 :].view(s, width),
             max_seqlen_q=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
         )
-        return as_tensor(input_ids).long(), as_tensor(positions).long()
+        return dev[:t], dev[t : 2 * t]
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """One host-to-device copy, from pinned memory so it does not wait for the GPU."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        self._copy_done.synchronize()  # the previous step's copy may still be reading the buffer
+        if self._pinned is None or self._pinned.numel() < host.size:
+            self._pinned = torch.empty(max(host.size, 1 << 16), dtype=torch.int64, pin_memory=True)
+        staging = self._pinned[: host.size]
+        staging.numpy()[:] = host
+        dev = staging.to(self.device, non_blocking=True)
+        self._copy_done.record()
+        return dev
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned) -> SamplerOutput | None:

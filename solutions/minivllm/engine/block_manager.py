@@ -143,16 +143,20 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        parent = None
-        for i in range(num_full):
+        # Hashed blocks form a prefix of the table: walk back to the first unhashed one, so
+        # each step costs the blocks it filled, not the whole sequence.
+        first = num_full
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
+        for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                tokens = seq.block_tokens(i, self.block_size)
-                block.hash = block_hash(tokens, parent)
-                block.token_ids = tokens
-                block.parent_id = seq.block_table[i - 1] if i else None
-                # First writer wins: an identical block computed twice stays a private copy.
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+            tokens = seq.block_tokens(i, self.block_size)
+            block.hash = block_hash(tokens, parent)
+            block.token_ids = tokens
+            block.parent_id = seq.block_table[i - 1] if i else None
+            # First writer wins: an identical block computed twice stays a private copy.
+            self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
 
     # -- release -----------------------------------------------------------------------

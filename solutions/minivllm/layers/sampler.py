@@ -65,16 +65,19 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         # Log-probabilities are reported as the model gave them, before any processing.
-        raw_logprobs = logits.log_softmax(dim=-1)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if banned:  # e.g. EOS before min_tokens is reached
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, ids] = float("-inf")
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        # Per-row settings are decided on the host: no device round trip just to branch.
+        greedy_rows = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows).to(device, non_blocking=True)
+            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).to(device, non_blocking=True)
             scaled = logits / temperature.unsqueeze(-1)
             if any(p.top_k for p in params):
                 scaled = top_k_mask(scaled, torch.tensor([p.top_k for p in params], device=device))

@@ -71,12 +71,8 @@ def varlen_attention(
     ctx: Context,
     scale: float,
 ) -> torch.Tensor:
-    """Attention for a packed batch of sequences, one sequence at a time (the reference).
-
-    Without a cache each sequence attends over its own tokens in this step. With one, the
-    new keys and values are stored first and each sequence then attends over everything it
-    has cached (context_lens), prefix and new tokens alike.
-    """
+    """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
+    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache and use_triton(q):
         from minivllm.kernels import kv_store, paged_attention
@@ -87,6 +83,25 @@ def varlen_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
         return paged_attention.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len)
+    return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale)
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    ctx: Context,
+    scale: float,
+) -> torch.Tensor:
+    """The reference: one sequence at a time.
+
+    Without a cache each sequence attends over its own tokens in this step. With one, the
+    new keys and values are stored first and each sequence then attends over everything it
+    has cached (context_lens), prefix and new tokens alike.
+    """
+    use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     if ctx.cu_seqlens_q is None:
