@@ -26,7 +26,7 @@ from minivllm.engine.sequence import Sequence
 
 def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     """The hash of a full block, chained to its parent's so it identifies the whole prefix."""
-    raise NotImplementedError("ch06: block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by the token ids as 4-byte little-endian ints; return intdigest(), see the chapter 06 notebook")
+    raise NotImplementedError("ch06: block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by the token ids as 4-byte little-endian ints; return intdigest(), see notebooks/06_prefix_caching.ipynb")
 
 
 class Block:
