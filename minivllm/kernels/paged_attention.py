@@ -56,13 +56,17 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
+        # BEGIN SOLUTION ch09 "online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m and the row max of s; alpha = exp(m - m_new), the factor that rescales everything summed under the old max; p = exp(s - m_new); l = l * alpha + the row sum of p"
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        # END SOLUTION
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        # BEGIN SOLUTION ch09 "online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p cast to v.dtype, v, input_precision=PRECISION); then the new max becomes the running max m"
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+        # END SOLUTION
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]

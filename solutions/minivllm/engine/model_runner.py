@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/model_runner.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: ModelRunner.prepare (ch05).
+# Reference answers for: ModelRunner.prepare (ch05), graph_batch_sizes (ch10), padded_batch_size (ch10).
 # Do not edit: change minivllm/engine/model_runner.py and run scripts/make_exercises.py again.
 
 """The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
@@ -180,8 +180,8 @@ class ModelRunner:
         buffer that ``_replay`` fills before each replay. The attention kernels are sized
         for max_model_len, the longest context any replay may see.
         """
-        max_bs = min(self.config.max_num_seqs, 512)
-        self.graph_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs} | {max_bs})
+        self.graph_sizes = graph_batch_sizes(self.config.max_num_seqs)
+        max_bs = self.graph_sizes[-1]
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
         self.static = {
@@ -216,7 +216,7 @@ class ModelRunner:
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = next(b for b in self.graph_sizes if b >= n)
+        bs = padded_batch_size(n, self.graph_sizes)
         s, ctx = self.static, get_context()
         s["input_ids"][:n] = input_ids
         s["positions"][:n] = positions
@@ -228,3 +228,29 @@ class ModelRunner:
         s["block_tables"][:n, :width] = ctx.block_tables
         self.graphs[bs].replay()
         return s["hidden"][:n]
+
+
+# -- which batch sizes get a graph -----------------------------------------------------
+
+MAX_GRAPH_BATCH_SIZE = 512
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph, ascending: 1, 2, 4, 8, then every
+    multiple of 16, up to max_num_seqs (capped at 512), which is always one of them.
+
+    Each graph costs capture time and a little memory, so not every size gets one; a batch
+    runs in the smallest graph that holds it, so the gaps bound the padding: at most 15
+    rows, a small share of the large batches where throughput is made."""
+    max_bs = min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
+    sizes = {b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs}
+    return sorted(sizes | {max_bs})
+
+
+def padded_batch_size(n: int, sizes: list[int]) -> int:
+    """The captured size that a decode batch of n sequences replays in: the smallest size
+    in ``sizes`` (ascending) that is at least n. Its extra rows are padding."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"a batch of {n} sequences is larger than the largest captured graph ({sizes[-1]})")

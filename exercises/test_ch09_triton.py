@@ -1,0 +1,242 @@
+"""Chapter 09 — Triton kernels: RMSNorm inside a kernel, and the online softmax of paged
+decode attention.
+
+Your kernels (exercises/minivllm/kernels/elementwise.py, ``_rms_norm_kernel``, and
+exercises/minivllm/kernels/paged_attention.py, ``_decode_kernel``) run in Triton's
+interpreter on the CPU, whatever the machine, so that every answer is graded the same way.
+The interpreter executes the kernel's Python body with numpy arrays in place of registers:
+what passes here computes the same on a GPU.
+
+Each test draws random inputs (never zeros) and compares with a plain-torch spec written
+out in this file: RMSNorm over rows whose width is not a power of two (the masked lanes
+must not count), with a residual, with an eps that matters and with float16 values whose
+squares overflow float16; decode attention with grouped-query heads over contexts many
+tiles long (a softmax that is not rescaled from tile to tile shows), split across several
+programs and merged, with scores far from zero (a softmax without its running max
+overflows), and next to padding rows of context length 0.
+"""
+import contextlib
+import os
+import sys
+
+
+def _interpret_triton() -> None:
+    """Run every Triton kernel in the interpreter from here on.
+
+    The switch is read when a kernel is decorated, and triton's own library functions
+    (tl.sum, tl.max, ...) are decorated when triton is first imported. Another chapter's
+    tests may have imported triton already (transformers does); its Python modules are then
+    imported again, this time interpreted.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    language = sys.modules.get("triton.language")
+    if language is not None and type(language.sum).__name__ != "InterpretedFunction":
+        for name in [n for n in sys.modules if n.split(".")[0] == "triton" and not n.startswith("triton._C")]:
+            del sys.modules[name]
+        for name in [n for n in sys.modules if n.startswith("minivllm.kernels")]:
+            del sys.modules[name]
+
+
+_interpret_triton()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from minivllm.kernels.elementwise import rms_norm  # noqa: E402
+from minivllm.kernels.paged_attention import paged_decode_attention  # noqa: E402
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # the interpreter computes in numpy float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted():
+    from minivllm.kernels import elementwise, paged_attention
+
+    for kernel in (elementwise._rms_norm_kernel, paged_attention._decode_kernel):
+        if type(kernel).__name__ != "InterpretedFunction":
+            pytest.fail("the kernels were imported before TRITON_INTERPRET=1 was set", pytrace=False)
+
+
+@contextlib.contextmanager
+def kernel_errors():
+    """The interpreter wraps an exception raised inside a kernel; show the original."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ == "InterpreterError" and e.__cause__ is not None:
+            raise e.__cause__ from None
+        raise
+
+
+# --- RMSNorm --------------------------------------------------------------------------
+
+
+def rms_norm_spec(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+@pytest.mark.parametrize("hidden", [48, 100, 64])
+def test_ch09_rms_norm_matches_the_spec(hidden):
+    x = torch.randn(7, hidden)
+    w = torch.randn(hidden)
+    with kernel_errors():
+        out = rms_norm(x, w, 1e-6)
+    assert not out.isnan().any(), "NaN in the output"
+    torch.testing.assert_close(out, rms_norm_spec(x, w, 1e-6), **TOL, msg=lambda m: (
+        f"hidden size {hidden} (the kernel's block is {1 << (hidden - 1).bit_length()} lanes; "
+        f"the mean is over the {hidden} real columns): {m}"))
+
+
+def test_ch09_rms_norm_with_the_residual_fused_in():
+    x, r = torch.randn(5, 40), torch.randn(5, 40)
+    w = torch.randn(40)
+    with kernel_errors():
+        out, res = rms_norm(x, w, 1e-6, r)
+    torch.testing.assert_close(res, x + r, atol=0, rtol=0)
+    torch.testing.assert_close(out, rms_norm_spec(x + r, w, 1e-6), **TOL,
+                               msg=lambda m: f"norm(x + residual) is wrong: {m}")
+
+
+def test_ch09_rms_norm_eps_counts():
+    # Activations of size ~0.01 have a mean square of ~1e-4: an eps of 1e-3 changes the
+    # result by a factor of about 3, and leaving it out shows.
+    x = 0.01 * torch.randn(4, 24)
+    w = torch.randn(24)
+    with kernel_errors():
+        out = rms_norm(x, w, 1e-3)
+    torch.testing.assert_close(out, rms_norm_spec(x, w, 1e-3), **TOL,
+                               msg=lambda m: f"with eps=1e-3 on small activations: {m}")
+
+
+def test_ch09_rms_norm_statistics_in_float32():
+    # float16 tops out at 65504: values of a few hundred square to infinity in float16,
+    # so the mean of squares must be taken in float32 (x32), as in the reference.
+    x = (300 * torch.randn(3, 48)).half()
+    w = torch.randn(48).half()
+    with kernel_errors():
+        out = rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all() and out.abs().max() > 0, (
+        "float16 rows with values of a few hundred came out zero, inf or NaN: square them in float32 (x32)")
+    torch.testing.assert_close(out.float(), rms_norm_spec(x, w, 1e-6).float(), atol=1e-2, rtol=1e-2)
+
+
+@settings(max_examples=12)
+@given(rows=st.integers(1, 4), hidden=st.integers(1, 130), scale=st.sampled_from([0.05, 1.0, 20.0]),
+       seed=st.integers(0, 2**16))
+def test_ch09_rms_norm_any_width(rows, hidden, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(rows, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    with kernel_errors():
+        out = rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out, rms_norm_spec(x, w, 1e-5), **TOL)
+
+
+# --- paged decode attention -----------------------------------------------------------
+
+
+def paged_cache(lens, kv_heads, head_dim, block_size, g):
+    """A pool of random keys and values, each sequence's blocks scattered through it."""
+    blocks = [max(1, -(-n // block_size)) for n in lens]
+    num_blocks = sum(blocks) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width, tables, i = max(blocks), [], 0
+    for b in blocks:
+        tables.append(perm[i : i + b] + [-1] * (width - b))
+        i += b
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
+
+
+def decode_spec(q, k_cache, v_cache, tables, lens, scale):
+    """softmax(q k^T * scale) v over each sequence's cached tokens, in float64; each group
+    of heads // kv_heads query heads reads one K/V head; a sequence of length 0 gives 0."""
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        rows = tables[b, : -(-n // block_size)].long()
+        k = k_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out.float()
+
+
+def run_decode(lens, heads, kv_heads, head_dim=16, block_size=4, num_splits=1, q_scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, g)
+    q = q_scale * torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    with kernel_errors():
+        out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
+                                     max(lens), num_splits)
+    return out, decode_spec(q, k_cache, v_cache, tables, lens, scale)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (8, 1)], ids=["gqa-4", "mha", "mqa-8"])
+def test_ch09_decode_one_program_walks_many_tiles(heads, kv_heads):
+    # One split: each program walks its sequence's whole context, 64 keys a tile. A
+    # running sum or accumulator that is not rescaled when the max grows is wrong from
+    # the second tile on.
+    lens = [200, 65, 1, 130]
+    out, ref = run_decode(lens, heads, kv_heads, num_splits=1)
+    assert not out.isnan().any(), "NaN in the output"
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(out[b], ref[b], **TOL, msg=lambda m: (
+            f"sequence {b} ({n} keys, {-(-n // 64)} tiles of 64, heads={heads}, kv_heads={kv_heads}): {m}"))
+
+
+def test_ch09_decode_scores_far_from_zero():
+    # Queries 30x larger: scores of several hundred. exp() of them overflows float32 (it
+    # tops out near exp(88)) unless each tile subtracts the running max first.
+    lens = [150, 90]
+    out, ref = run_decode(lens, 8, 2, q_scale=30.0, seed=3)
+    assert torch.isfinite(out).all(), "inf or NaN with large scores: subtract the running max before exp"
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_ch09_decode_a_peak_in_the_first_tile():
+    # The first 64 keys are 60x longer than the rest: the scores of the first tile reach
+    # ~150, those of later tiles stay near 0. A running max that drops back to a later
+    # tile's own max rescales the sums by exp(+150), which overflows float32; the max
+    # must only ever grow.
+    lens = [200, 130]
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    for b in range(len(lens)):
+        first = tables[b, :16].long()  # the blocks of tokens 0..63
+        k_cache[first] *= 60.0
+    q = torch.randn(len(lens), 8, 16, generator=g)
+    with kernel_errors():
+        out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.25,
+                                     max(lens), 1)
+    assert torch.isfinite(out).all(), "inf or NaN after a tile of large scores: m must be the max over all tiles so far"
+    torch.testing.assert_close(out, decode_spec(q, k_cache, v_cache, tables, lens, 0.25), **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_ch09_decode_split_across_programs_and_merged(num_splits):
+    # Several programs per sequence, each over its slice of the context, merged by their
+    # log-sum-exp (m + log l): both m and l must be right, not just their ratio.
+    lens = [250, 3, 90, 180]
+    out, ref = run_decode(lens, 8, 2, num_splits=num_splits, seed=num_splits)
+    assert not out.isnan().any(), "NaN in the output"
+    torch.testing.assert_close(out, ref, **TOL, msg=lambda m: f"{num_splits} splits: {m}")
+
+
+def test_ch09_decode_padding_rows_beside_real_ones():
+    # A CUDA-graph batch padded to a captured size: rows of context length 0 attend to
+    # nothing and must give exact zeros, while the real rows are unaffected.
+    lens = [0, 77, 0, 140]
+    out, ref = run_decode(lens, 8, 2, num_splits=2, seed=7)
+    assert not out.isnan().any(), "NaN in the output"
+    assert out[0].abs().max() == 0 and out[2].abs().max() == 0, "a row with no keys must give zeros"
+    torch.testing.assert_close(out, ref, **TOL)

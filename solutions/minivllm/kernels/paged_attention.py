@@ -1,0 +1,247 @@
+# Reference copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: _decode_kernel (ch09).
+# Do not edit: change minivllm/kernels/paged_attention.py and run scripts/make_exercises.py again.
+
+"""Attention over the paged KV cache: a decode kernel and a prefill kernel.
+
+Both read keys and values through block tables, token j of sequence b living at row
+j % block_size of block block_tables[b, j // block_size], and both use the online softmax
+(FlashAttention): scores are consumed tile by tile with a running max m, running sum l and
+a rescaled accumulator, so the [queries x keys] matrix never exists in memory.
+
+Decode (one query per sequence) is memory-bound: it must read every cached key and value.
+  bytes ~ 2 * context_tokens * num_kv_heads * head_dim * dtype_size (+ q and out)
+  FLOPs ~ 4 * context_tokens * num_heads * head_dim
+One program handles one (sequence, kv head, split of the context); all query heads of a
+GQA group share each loaded K/V tile. Long contexts with few sequences are split so the
+GPU has enough programs; a second small kernel merges the splits' partial softmaxes.
+
+Prefill is compute-bound for long prompts: FLOPs ~ 2 * 2 * q_len * kv_len * heads * head_dim
+(halved by causality). One program handles BLOCK_M queries of one head of one sequence and
+walks the keys up to its causal limit; cached prefix tokens are just more keys.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    PARTITION,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + b)
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
+        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+    mask = g < GROUP
+    base = b * stride_pt + heads * stride_ph + split * stride_ps
+    tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=mask[:, None])
+    tl.store(part_lse_ptr + b * stride_lt + heads * stride_lh + split, lse, mask=mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lt + h * stride_lh + s, mask=smask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # A padding row (no keys at all) has every lse at -inf: its output is zero.
+    w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0)
+    parts = tl.load(part_out_ptr + b * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=smask[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get true float32 products (the course checks float32 token for token
+    against transformers); half types use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
+    """Enough splits that the GPU gets about two programs per multiprocessor, but no split
+    shorter than 256 tokens (below that the merge costs more than it gains)."""
+    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_context_len, 256)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim] (one query per sequence). Returns the same shape.
+
+    ``max_context_len`` bounds the context lengths (it sizes the splits; under a CUDA graph
+    it is the engine's max_model_len, since the real lengths change at every replay).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
+    block_n = 64 if head_dim <= 128 else 32
+    partition = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        partition,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+    )
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_ptr, out_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(context_lens_ptr + b)
+    offset = kv_len - q_len  # the queries are the last q_len positions of the sequence
+    kv_head = head // GROUP
+
+    m_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q_valid = m_idx < q_len
+    q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=q_valid[:, None], other=0.0)
+    q_pos = offset + m_idx
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys beyond the tile's last query are masked for every row: stop there.
+    hi = tl.minimum(kv_len, offset + (tile + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
+        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
+    values, cached prefix included, are already in the cache. Causal. Returns q's shape."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    out = torch.empty_like(q)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    block_m = 64 if q.is_cuda else 16
+    block_n = 64 if head_dim <= 64 or not q.is_cuda else 32
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+    )
+    return out
