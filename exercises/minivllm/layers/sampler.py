@@ -28,7 +28,7 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
-    raise NotImplementedError("ch08: top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask back to vocabulary order and fill dropped logits with -inf, see the chapter 08 notebook")
+    raise NotImplementedError("ch08: top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask back to vocabulary order and fill dropped logits with -inf, see notebooks/08_sampling.ipynb")
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from probs, given Exp(1) noise of the same shape."""
-    raise NotImplementedError("ch08: gumbel_max_sample: return argmax over the last dim of probs / noise, see the chapter 08 notebook")
+    raise NotImplementedError("ch08: gumbel_max_sample: return argmax over the last dim of probs / noise, see notebooks/08_sampling.ipynb")
 
 
 @dataclass

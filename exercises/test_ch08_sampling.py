@@ -1,0 +1,205 @@
+"""Chapter 08 — sampling: the top-p filter and the Gumbel-max draw.
+
+Your ``top_p_mask`` (exercises/minivllm/layers/sampler.py) is checked by hand on small
+distributions (the token that crosses p stays; at least one token always stays; p = 1
+keeps everything), against float64 arithmetic and against transformers'
+``TopPLogitsWarper`` on random logits in random order, row by row with different p, and
+after a top-k cut. Kept logits must come back unchanged, dropped ones as -inf. Your
+``gumbel_max_sample`` must return the exact argmax of probs / noise for given noise, and
+many draws must reproduce the probabilities; then the engine's seeded sampling must be
+reproducible whatever else is in the batch.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import assume
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from minivllm.layers.sampler import Sampler, gumbel_max_sample, top_k_mask, top_p_mask
+from minivllm.sampling_params import SamplingParams
+from minivllm.testing import torch_threads
+
+NEG_INF = float("-inf")
+
+
+def kept(masked: torch.Tensor) -> set[int]:
+    return {i for i, x in enumerate(masked.tolist()) if x != NEG_INF}
+
+
+def logits_of(probs) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+def reference_nucleus(row: torch.Tensor, p: float) -> tuple[set[int], float]:
+    """The kept set in float64, and how close the decision came to p (to skip ties)."""
+    probs = row.double().softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs
+    keep = before < p
+    finite = sorted_probs > 0
+    margin = (before[finite] - p).abs().min().item() if bool(finite.any()) else 1.0
+    return {int(i) for i in order[keep & finite]}, margin
+
+
+def check_mask(logits: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> None:
+    assert isinstance(out, torch.Tensor) and out.shape == logits.shape, (
+        f"top_p_mask must return logits of shape {tuple(logits.shape)}, got {getattr(out, 'shape', type(out))}"
+    )
+    assert out.dtype == logits.dtype, f"top_p_mask must keep the dtype {logits.dtype}, got {out.dtype}"
+    finite = out != NEG_INF
+    assert torch.equal(out[finite], logits[finite]), "kept logits must come back unchanged (no softmax, no rescaling)"
+    assert bool(finite.any(dim=-1).all()), "top_p_mask dropped every token of a row: the most likely one always stays"
+
+
+# --- top-p ----------------------------------------------------------------------------
+
+
+def test_ch08_top_p_keeps_the_token_that_crosses_p():
+    logits = logits_of([[0.5, 0.3, 0.15, 0.05]])
+    for p, expected in [(0.75, {0, 1}), (0.4, {0}), (0.9, {0, 1, 2}), (0.96, {0, 1, 2, 3})]:
+        out = top_p_mask(logits, torch.tensor([p]))
+        check_mask(logits, torch.tensor([p]), out)
+        assert kept(out[0]) == expected, (
+            f"probabilities [0.5, 0.3, 0.15, 0.05], p={p}: keep {sorted(expected)} (the smallest set of most likely "
+            f"tokens whose probabilities reach p, including the token that crosses p), kept {sorted(kept(out[0]))}"
+        )
+
+
+def test_ch08_top_p_stops_when_the_mass_reaches_p_exactly():
+    # Eight equally likely tokens: probabilities, cumulative sums and p are exact in
+    # binary, so "reaches p" is tested exactly: k / 8 of the mass needs exactly k tokens.
+    logits = torch.zeros(1, 8)
+    for k in range(1, 9):
+        out = top_p_mask(logits, torch.tensor([k / 8]))
+        check_mask(logits, torch.tensor([k / 8]), out)
+        assert len(kept(out[0])) == k, (
+            f"8 tokens of probability 1/8, p = {k}/8: the smallest set reaching p has {k} tokens, kept {len(kept(out[0]))}"
+        )
+
+
+def test_ch08_top_p_in_vocabulary_order():
+    # The same distribution shuffled: the mask must land on the right tokens, not on
+    # positions of the sorted order.
+    probs = [0.05, 0.3, 0.15, 0.5]
+    out = top_p_mask(logits_of([probs]), torch.tensor([0.75]))
+    assert kept(out[0]) == {1, 3}, f"probabilities {probs}, p=0.75: keep tokens 1 and 3, kept {sorted(kept(out[0]))}"
+
+
+def test_ch08_top_p_extremes():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    out = top_p_mask(logits, torch.tensor([1.0, 1e-6, 1.0]))
+    assert kept(out[0]) == set(range(50)) and kept(out[2]) == set(range(50)), "p = 1 keeps every token"
+    assert kept(out[1]) == {int(logits[1].argmax())}, "a tiny p keeps exactly the most likely token"
+
+
+def test_ch08_top_p_each_row_its_own_p():
+    base = [0.5, 0.3, 0.15, 0.05]
+    logits = logits_of([base, base[::-1], base, base[::-1]])
+    out = top_p_mask(logits, torch.tensor([0.75, 0.75, 0.4, 0.96]))
+    assert [kept(r) for r in out] == [{0, 1}, {3, 2}, {0}, {0, 1, 2, 3}], (
+        f"rows with p = 0.75, 0.75, 0.4, 0.96 kept {[sorted(kept(r)) for r in out]}"
+    )
+
+
+@settings(max_examples=60)
+@given(
+    batch=st.integers(1, 4),
+    vocab=st.integers(2, 300),
+    scale=st.sampled_from([0.5, 2.0, 6.0]),
+    ps=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4),
+    seed=st.integers(0, 2**31),
+)
+def test_ch08_top_p_matches_float64_and_transformers(batch, vocab, scale, ps, seed):
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    p = torch.tensor(ps[:batch])
+    expected, margins = zip(*(reference_nucleus(logits[i], float(p[i])) for i in range(batch)))
+    assume(min(margins) > 1e-5)  # a decision within rounding of p may go either way
+    out = top_p_mask(logits, p)
+    check_mask(logits, p, out)
+    for i in range(batch):
+        assert kept(out[i]) == expected[i], f"row {i}, p={float(p[i]):.4f}: kept {sorted(kept(out[i]))}, expected {sorted(expected[i])}"
+        hf = TopPLogitsWarper(float(p[i]))(None, logits[i : i + 1].clone())[0]
+        assert kept(out[i]) == kept(hf), f"row {i}: differs from transformers' TopPLogitsWarper"
+
+
+def test_ch08_top_p_after_top_k():
+    # In the sampler, top-p runs on logits that top-k has already cut: -inf entries have
+    # probability 0 and must stay dropped.
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 2
+    cut = top_k_mask(logits, torch.tensor([6, 3]))
+    out = top_p_mask(cut, torch.tensor([0.9, 0.5]))
+    for i in range(2):
+        expected, _ = reference_nucleus(cut[i], float([0.9, 0.5][i]))
+        assert kept(out[i]) == expected and kept(out[i]) <= kept(cut[i])
+
+
+# --- the Gumbel-max draw --------------------------------------------------------------
+
+
+@settings(max_examples=40)
+@given(batch=st.integers(1, 6), vocab=st.integers(2, 200), seed=st.integers(0, 2**31))
+def test_ch08_gumbel_max_sample_is_the_argmax_of_probs_over_noise(batch, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(batch, vocab, generator=g) ** 3
+    probs[:, : vocab // 3] = 0  # some tokens filtered out
+    probs[:, -1] += 1e-3
+    probs = probs / probs.sum(-1, keepdim=True)
+    noise = torch.empty(batch, vocab).exponential_(generator=g)
+    out = gumbel_max_sample(probs, noise)
+    assert isinstance(out, torch.Tensor) and out.shape == (batch,), (
+        f"gumbel_max_sample must return one token id per row, shape ({batch},), got {getattr(out, 'shape', type(out))}"
+    )
+    assert not out.dtype.is_floating_point, f"token ids are integers, got {out.dtype}"
+    expected = (probs / noise).argmax(-1)
+    assert torch.equal(out, expected), f"for the given noise the draw is argmax(probs / noise) = {expected.tolist()}, got {out.tolist()}"
+
+
+def test_ch08_gumbel_max_sample_draws_from_probs():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
+    n = 60_000
+    noise = torch.empty(n, 6).exponential_(generator=torch.Generator().manual_seed(0))
+    draws = gumbel_max_sample(probs.expand(n, -1), noise)
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert freq[5] == 0, "a token of probability 0 was drawn"
+    # 60,000 draws: the standard error of a frequency is at most 0.002; allow 4 of them.
+    assert (freq[:5] - probs[:5].double()).abs().max() < 0.008, (
+        f"frequencies {[round(f, 4) for f in freq.tolist()]} do not match probabilities {probs.tolist()}"
+    )
+
+
+def test_ch08_sampler_distribution_with_temperature_and_filters():
+    # The whole Sampler: temperature 0.7 then top-k 4, through your draw. The draw must
+    # follow softmax(logits / 0.7) restricted to the 4 most likely tokens.
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -1.0, -3.0])
+    expected = torch.zeros(8, dtype=torch.float64)
+    expected[:4] = (logits[:4].double() / 0.7).softmax(-1)
+    n = 20_000
+    torch.manual_seed(1)
+    params = [SamplingParams(temperature=0.7, top_k=4)] * n
+    out = Sampler()(logits.expand(n, -1).clone(), params, [None] * n)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).double() / n
+    assert (freq - expected).abs().max() < 0.015, f"frequencies {freq.tolist()}, expected {expected.tolist()}"
+
+
+def test_ch08_seeded_requests_are_reproducible_in_any_batch(tiny_qwen3):
+    from minivllm import LLM
+
+    with torch_threads(1):
+        llm = LLM(model=tiny_qwen3, dtype="float32", device="cpu", num_kv_blocks=64, block_size=8)
+        prompt = [5, 17, 301, 42, 7, 99]
+        seeded = SamplingParams(temperature=1.3, top_p=0.95, seed=2024, max_tokens=16, ignore_eos=True)
+        [alone] = llm.generate([prompt], seeded, use_tqdm=False)
+        others = [[1, 2, 3], [400, 401, 402, 403, 404], [9] * 11]
+        noisy = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+        crowd = llm.generate([others[0], prompt, *others[1:]], [noisy, seeded, noisy, noisy], use_tqdm=False)
+        [other_seed] = llm.generate(
+            [prompt], SamplingParams(temperature=1.3, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        [greedy] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    a, b = alone.outputs[0].token_ids, crowd[1].outputs[0].token_ids
+    assert a == b, f"the same seed gave {a} alone and {b} in a batch"
+    assert a != other_seed.outputs[0].token_ids, "two different seeds gave the same 16 tokens: is the noise used?"
+    assert a != greedy.outputs[0].token_ids, "sampling at temperature 1.3 gave exactly the greedy tokens: is the noise used?"
