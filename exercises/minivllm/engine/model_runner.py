@@ -242,10 +242,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     Each graph costs capture time and a little memory, so not every size gets one; a batch
     runs in the smallest graph that holds it, so the gaps bound the padding: at most 15
     rows, a small share of the large batches where throughput is made."""
-    raise NotImplementedError("ch10: graph_batch_sizes: max_bs = min(max_num_seqs, 512); return the sorted sizes among 1, 2, 4, 8 and the multiples of 16 that are at most max_bs, with max_bs itself added (no duplicates), see the chapter 10 notebook")
+    raise NotImplementedError("ch10: graph_batch_sizes: max_bs = min(max_num_seqs, 512); return the sorted sizes among 1, 2, 4, 8 and the multiples of 16 that are at most max_bs, with max_bs itself added (no duplicates), see notebooks/10_cuda_graphs.ipynb")
 
 
 def padded_batch_size(n: int, sizes: list[int]) -> int:
     """The captured size that a decode batch of n sequences replays in: the smallest size
     in ``sizes`` (ascending) that is at least n. Its extra rows are padding."""
-    raise NotImplementedError("ch10: padded_batch_size: return the first (smallest) size in the ascending list sizes with size >= n; raise ValueError naming n when even the largest is smaller, see the chapter 10 notebook")
+    raise NotImplementedError("ch10: padded_batch_size: return the first (smallest) size in the ascending list sizes with size >= n; raise ValueError naming n when even the largest is smaller, see notebooks/10_cuda_graphs.ipynb")

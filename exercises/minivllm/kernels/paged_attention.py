@@ -61,9 +61,9 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        raise NotImplementedError("ch09: online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m and the row max of s; alpha = exp(m - m_new), the factor that rescales everything summed under the old max; p = exp(s - m_new); l = l * alpha + the row sum of p, see the chapter 09 notebook")
+        raise NotImplementedError("ch09: online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m and the row max of s; alpha = exp(m - m_new), the factor that rescales everything summed under the old max; p = exp(s - m_new); l = l * alpha + the row sum of p, see notebooks/09_triton_kernels.ipynb")
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        raise NotImplementedError("ch09: online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p cast to v.dtype, v, input_precision=PRECISION); then the new max becomes the running max m, see the chapter 09 notebook")
+        raise NotImplementedError("ch09: online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p cast to v.dtype, v, input_precision=PRECISION); then the new max becomes the running max m, see notebooks/09_triton_kernels.ipynb")
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
