@@ -2,8 +2,9 @@
 """Draw the benchmark figure from the JSON files that ``minivllm bench`` writes.
 
 Reads benchmarks/throughput.json, latency.json and kernels.json (any of them may be
-missing: its panels are left out) and writes benchmarks/speed_of_light.png: every measured
-number next to its floor on the same GPU.
+missing: its panels are left out), and throughput_with_transformers.json for the
+transformers baseline when throughput.json was run without it; writes
+benchmarks/speed_of_light.png: every measured number next to its floor on the same GPU.
 
 - throughput: output tokens per second of minivllm, its speed of light (output tokens over
   the summed floor of the engine's actual steps) and the transformers baselines;
@@ -57,13 +58,18 @@ def label_bars(ax, xs, values, fmt):
         ax.text(x, v * 1.12, fmt(v), ha="center", fontsize=8)
 
 
-def throughput_panel(ax, t: dict) -> None:
+def throughput_panel(ax, t: dict, baseline: dict | None) -> None:
+    """``baseline``: the run that holds the transformers numbers, when ``t`` has none."""
     m, w = t["minivllm"], t["workload"]
     bars = {"speed of light": w["total_output_tokens"] / m["speed_of_light"]["floor_seconds"],
             "minivllm": m["output_tokens_per_s"]}
     colors = [FLOOR, OURS]
+    run = t if t.get("transformers") else baseline
+    if run is not None and run is not t:
+        bars["minivllm\n(baseline's run)"] = run["minivllm"]["output_tokens_per_s"]
+        colors.append(OURS)
     for key, label in (("generate_batch", "transformers\ngenerate_batch"), ("padded_generate", "transformers\npadded")):
-        result = (t.get("transformers") or {}).get(key, {})
+        result = ((run or {}).get("transformers") or {}).get(key, {})
         if "output_tokens_per_s" in result:
             bars[label] = result["output_tokens_per_s"]
             colors.append(BASELINE)
@@ -121,7 +127,8 @@ def kernels_panel(ax, k: dict) -> None:
 
 def draw(folder: Path, out: Path) -> Path:
     t, lat, k = load(folder, "throughput"), load(folder, "latency"), load(folder, "kernels")
-    panels = [(throughput_panel, t)] if t else []
+    baseline = load(folder, "throughput_with_transformers")
+    panels = [(lambda ax, data: throughput_panel(ax, data, baseline), t)] if t else []
     if lat:
         panels += [(decode_panel, lat), (ttft_panel, lat)]
     if k:
