@@ -26,6 +26,15 @@ if [[ $parts == *tests* ]]; then
     2>&1 | tee "$OUT/tests.log"
   status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
 fi
+# Benchmarks first: chapters 09, 10 and 15 read their JSON.
+if [[ $parts == *bench* ]]; then
+  ok=pass
+  for which in kernels latency throughput; do
+    python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
+  done
+  tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
+  status[bench]=$ok
+fi
 if [[ $parts == *notebooks* ]]; then
   # Execute in place (the committed copies then carry GPU outputs), then nbval over them.
   python3 scripts/execute_notebooks.py notebooks/[0-9]*.ipynb 2>&1 | tee "$OUT/notebooks.log"
@@ -37,14 +46,6 @@ if [[ $parts == *notebooks* ]]; then
     [ "${PIPESTATUS[0]}" = 0 ] || ok=FAIL
   fi
   status[notebooks]=$ok
-fi
-if [[ $parts == *bench* ]]; then
-  ok=pass
-  for which in kernels latency throughput; do
-    python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
-  done
-  tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
-  status[bench]=$ok
 fi
 
 python3 - "$OUT" <<'PY'
