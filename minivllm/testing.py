@@ -25,6 +25,8 @@ TINY_SHAPES = dict(
 
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
 
 EOS_TOKEN = "<|endoftext|>"
