@@ -3,7 +3,7 @@
 # book shows GPU outputs), and the benchmarks; prints one summary table last.
 #
 # Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack is
-# missing (the lent GPU box), carry wheels from ../shared/device/wheels.sh in .whl/: they
+# missing, carry wheels from ../shared/device/wheels.sh in .whl/: they
 # are installed to /tmp/site first. Results land in $OUT (default: .out/gpu) and in
 # benchmarks/.
 #   bash scripts/gpu_check.sh [tests] [notebooks] [bench]   (default: all three)
