@@ -33,6 +33,12 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q/k/v projections
     o_proj_bias: bool = False  # a bias on the output projection (Llama/Qwen3 with attention_bias; not Qwen2)
     qk_norm: bool = False
+    # Gemma 3: local (sliding-window) layers among global ones, each kind with its own RoPE.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers
+    query_pre_attn_scalar: float | None = None  # attention scale is its inverse square root
+    final_logit_softcapping: float | None = None  # logits -> tanh(logits / cap) * cap
     torch_dtype: torch.dtype = torch.float32
     eos_token_id: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -67,6 +73,9 @@ class ModelConfig:
         # transformers >= 5 nests RoPE settings under "rope_parameters"; older files use
         # "rope_theta" and "rope_scaling" at the top level.
         rope = dict(hf.get("rope_parameters") or {})
+        # Gemma 3 keeps one RoPE dict per layer type: the global layers' is the model's.
+        local_rope = rope.pop("sliding_attention", None)
+        rope = dict(rope.pop("full_attention", None) or rope)
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = hf.get("eos_token_id")
@@ -74,6 +83,14 @@ class ModelConfig:
         dtype_name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         num_heads = hf["num_attention_heads"]
         architectures = hf.get("architectures") or []
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("sliding_window_pattern") and hf.get("sliding_window"):
+            pattern = hf["sliding_window_pattern"]
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(hf["num_hidden_layers"])]
+        if layer_types and "sliding_attention" not in layer_types:
+            layer_types = None  # all global (e.g. Qwen2 without its sliding window): nothing to record
+        local_theta = (local_rope or {}).get("rope_theta", hf.get("rope_local_base_freq"))
         if not architectures:
             raise ValueError("config.json names no 'architectures'; cannot pick a model class")
         return cls(
@@ -96,6 +113,11 @@ class ModelConfig:
             o_proj_bias=hf.get("attention_bias", False) and hf.get("model_type") != "qwen2",
             qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
             torch_dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else dtype_name,
+            sliding_window=hf.get("sliding_window") if layer_types else None,
+            layer_types=list(layer_types) if layer_types else None,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
             eos_token_id=eos,
             hf_config=hf,
         )

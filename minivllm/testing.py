@@ -27,6 +27,18 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    # Gemma 3 text: a small window and four layers, so local and global layers both appear.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+# Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
+FAMILY_SHAPES = {
+    "gemma3": dict(
+        num_hidden_layers=4,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    ),
 }
 
 EOS_TOKEN = "<|endoftext|>"
@@ -85,6 +97,7 @@ def make_tiny_checkpoint(
     fields = {**TINY_SHAPES, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std}
     if with_tokenizer:
         fields["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
+    fields.update(FAMILY_SHAPES.get(family, {}))
     fields.update(overrides)
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(seed)

@@ -11,7 +11,9 @@ from minivllm.ops.attention import varlen_attention
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -21,10 +23,12 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Local attention: each query sees only the last sliding_window positions up to its own.
+        self.sliding_window = sliding_window
         # Empty until a cache is attached: then [num_blocks, block_size, num_kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]."""
-        return varlen_attention(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        return varlen_attention(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.sliding_window)

@@ -17,17 +17,48 @@ from minivllm.context import Context
 from minivllm.ops.dispatch import use_triton
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Attention of one sequence's queries over its keys, causal, with grouped-query heads.
 
     q: [q_len, num_heads, head_dim]; k, v: [kv_len, num_kv_heads, head_dim], kv_len >= q_len.
     The queries are the *last* q_len positions of the sequence, so query i may see keys
     0 .. kv_len - q_len + i. Each group of num_heads / num_kv_heads query heads shares one
     key/value head. Returns [q_len, num_heads, head_dim].
+
+    With ``sliding_window`` (local attention, e.g. Gemma 3's sliding layers) the query at
+    position p sees only the keys j with p - sliding_window < j <= p.
     """
+    if sliding_window is not None:
+        return sliding_window_attention(q, k, v, scale, sliding_window)
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
     raise NotImplementedError("ch02: causal_attention: repeat each k/v head num_heads // num_kv_heads times, build the causal mask (query i sees keys j <= kv_len - q_len + i), call F.scaled_dot_product_attention on [heads, len, dim] tensors, see notebooks/02_attention.ipynb")
+
+
+def sliding_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int
+) -> torch.Tensor:
+    """causal_attention restricted to a window: the query at position p (the queries are the
+    last q_len of kv_len positions) sees the keys j with p - sliding_window < j <= p.
+
+    Built on plain causal attention: queries whose window still starts at key 0 are one
+    causal call; every later query is a call of its own over exactly its window (as the last
+    query of that slice, it sees all of it). Simple and correct; one call per query is slow
+    for long prefills, which is acceptable for a reference.
+    """
+    q_len, kv_len = q.shape[0], k.shape[0]
+    offset = kv_len - q_len  # position of the first query
+    out = torch.empty_like(q)
+    head = min(q_len, max(0, sliding_window - offset))  # queries at positions < sliding_window
+    if head:
+        out[:head] = causal_attention(q[:head], k[: offset + head], v[: offset + head], scale)
+    for i in range(head, q_len):
+        p = offset + i
+        window = slice(p - sliding_window + 1, p + 1)
+        out[i : i + 1] = causal_attention(q[i : i + 1], k[window], v[window], scale)
+    return out
 
 
 def store_kvcache(
@@ -62,11 +93,16 @@ def varlen_attention(
     v_cache: torch.Tensor | None,
     ctx: Context,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
-    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
+    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass).
+
+    The Triton kernels have no sliding window: a windowed layer takes the reference path
+    even on a GPU (correct, but slow, and it syncs with the host, so no CUDA graphs).
+    """
     use_cache = k_cache is not None and ctx.slot_mapping is not None
-    if use_cache and use_triton(q):
+    if use_cache and use_triton(q) and sliding_window is None:
         from minivllm.kernels import kv_store, paged_attention
 
         kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
@@ -75,7 +111,7 @@ def varlen_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
         return paged_attention.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len)
-    return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale)
+    return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale, sliding_window)
 
 
 def varlen_attention_reference(
@@ -86,12 +122,14 @@ def varlen_attention_reference(
     v_cache: torch.Tensor | None,
     ctx: Context,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The reference: one sequence at a time.
 
     Without a cache each sequence attends over its own tokens in this step. With one, the
     new keys and values are stored first and each sequence then attends over everything it
-    has cached (context_lens), prefix and new tokens alike.
+    has cached (context_lens), prefix and new tokens alike. With ``sliding_window`` each
+    query sees only the last ``sliding_window`` positions up to its own.
     """
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
@@ -109,5 +147,10 @@ def varlen_attention_reference(
             v_i = gather_kv(v_cache, ctx.block_tables[i], length)
         else:
             k_i, v_i = k[start:end], v[start:end]
-        out[start:end] = causal_attention(q[start:end], k_i, v_i, scale)
+        if sliding_window is not None:
+            # Keys older than the first query's window are never seen: drop them. Positions
+            # are relative, so the queries stay the last (end - start) of what is left.
+            first = max(0, k_i.shape[0] - (end - start) - sliding_window + 1)
+            k_i, v_i = k_i[first:], v_i[first:]
+        out[start:end] = causal_attention(q[start:end], k_i, v_i, scale, sliding_window)
     return out
