@@ -152,17 +152,32 @@ def test_silu_and_mul():
     torch.testing.assert_close(silu_and_mul(x).float(), reference_silu(x.float()), **TOL)
 
 
-def test_rope():
-    from minivllm.kernels.elementwise import rope
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope(with_norm):
+    from minivllm.kernels.elementwise import qk_norm_rope
+    from minivllm.layers.norm import rms_norm as reference_norm
     from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
 
-    heads, _, head_dim, _ = SHAPES[0]
+    heads, kv_heads, head_dim, _ = SHAPES[0]
     rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)
     positions = torch.randint(0, 4096, (33,), device=DEVICE)
-    x = torch.randn(33, heads, head_dim, device=DEVICE, dtype=DTYPE)
+    # q and k as the model passes them: strided views into one packed qkv row.
+    qkv = torch.randn(33, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=DTYPE)
+    q = qkv[:, : heads * head_dim].view(33, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(33, kv_heads, head_dim)
+    weights = ()
+    if with_norm:
+        weights = (torch.randn(head_dim, device=DEVICE, dtype=DTYPE), torch.randn(head_dim, device=DEVICE, dtype=DTYPE))
+    q_out, k_out = qk_norm_rope(q, k, positions, rotary.cos_cache, rotary.sin_cache, *weights, eps=1e-6)
     cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]
-    out = rope(x, positions, rotary.cos_cache, rotary.sin_cache)
-    torch.testing.assert_close(out.float(), apply_rotary(x.float(), cos, sin), **TOL)
+    q_ref, k_ref = q.float(), k.float()
+    if with_norm:
+        q_ref = reference_norm(q_ref, weights[0].float(), 1e-6)
+        k_ref = reference_norm(k_ref, weights[1].float(), 1e-6)
+    # The norm's output is O(|w|) and rounds once more to bf16 before the rotation.
+    tol = dict(atol=5e-2, rtol=2e-2) if CUDA and with_norm else TOL
+    torch.testing.assert_close(q_out.float(), apply_rotary(q_ref, cos, sin), **tol)
+    torch.testing.assert_close(k_out.float(), apply_rotary(k_ref, cos, sin), **tol)
 
 
 def test_kernels_reject_bad_shapes():

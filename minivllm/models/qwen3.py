@@ -14,6 +14,7 @@ from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
 from minivllm.layers.linear import GateUpLinear, Linear, QKVLinear
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.ops.dispatch import use_triton
 
 
 class Qwen3Attention(nn.Module):
@@ -41,15 +42,27 @@ class Qwen3Attention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
+    def _qk_norm_weights(self) -> tuple:
+        if not hasattr(self, "q_norm"):
+            return ()
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if use_triton(q) and self.rotary_emb.is_full_power_of_two:
+            from minivllm.kernels.elementwise import qk_norm_rope
+
+            # One fused kernel: q/k norm and RoPE, reading q and k in place in qkv.
+            q, k = qk_norm_rope(q, k, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
+                                *self._qk_norm_weights())
+        else:
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.flatten(1))
 
