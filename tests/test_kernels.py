@@ -180,6 +180,26 @@ def test_qk_norm_rope(with_norm):
     torch.testing.assert_close(k_out.float(), apply_rotary(k_ref, cos, sin), **tol)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv(rows, split_k, with_bias):
+    from minivllm.kernels.gemv import gemv
+
+    # Shapes that are not multiples of the blocks, so every mask matters.
+    n, k = (4096 + 48, 1024 + 40) if CUDA else (70, 300)
+    x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5
+    b = torch.randn(n, device=DEVICE, dtype=DTYPE) if with_bias else None
+    config = {"BLOCK_N": 32, "BLOCK_K": 64 if not CUDA else 256, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+    out = gemv(x, w, b, **config)
+    assert out.shape == (rows, n) and out.dtype == x.dtype
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    # The default block shapes too.
+    torch.testing.assert_close(gemv(x, w, b).float(), ref, **TOL)
+
+
 def test_kernels_reject_bad_shapes():
     from minivllm.kernels.elementwise import rms_norm, silu_and_mul
 

@@ -27,6 +27,20 @@ def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_cuda_graph(fn, calls: int = 20, repeat: int = 10) -> float:
+    """Median seconds per fn() with launch overhead taken out: ``calls`` back-to-back calls
+    are captured in one CUDA graph and replayed. For kernels of a few microseconds, which a
+    Python launch (~10 us) would otherwise hide; inside the engine's decode graph they run
+    back to back in just this way."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_cuda(graph.replay, warmup=2, repeat=repeat) / calls
+
+
 def measure_ceilings(device: str = "cuda") -> dict:
     n = 2**30  # 1 GiB of bf16 values each way: far beyond the 60 MB L2
     src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)

@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.ops.dispatch import use_triton
+
+GEMV_MAX_ROWS = 16  # up to this many rows, kernels.gemv beats a general GEMM
+
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
@@ -35,6 +39,11 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            from minivllm.kernels.gemv import gemv
+
+            # Decode at small batch: a matrix times a few vectors, bound by reading W.
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
