@@ -8,9 +8,10 @@ General GEMM libraries tile for large M and reach only a fraction of the bandwid
 BLOCK_N output columns and walks K in BLOCK_K steps; the few rows of x are padded to the
 16 that a tensor-core ``tl.dot`` needs (the padding costs no memory traffic, and the
 multiply is free next to the load). Many programs, each with several loads in flight
-(``num_stages``), keep enough bytes moving to saturate HBM. Optionally SPLIT_K programs
-share one column block, each summing a slice of K, and add their partial sums atomically
-into a float32 output: narrow matrices (N of a thousand) then still cover every SM.
+(``num_stages``), keep the bytes moving. (Splitting K across programs, so that narrow
+matrices cover more SMs, measured no faster on the H200: it needs a zeroed float32 buffer
+and a cast, two more launches.) At these sizes (4-12 MB) a launch's fixed latency of a few
+microseconds is most of the time: chapter 15 measures how close to the roofline this gets.
 """
 import torch
 import triton
@@ -25,35 +26,30 @@ MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
-        if pid_k == 0:  # added once, by the first slice of K
-            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m[:, None] < M) & (n[None, :] < N)
-    ptrs = out_ptr + m[:, None] * stride_om + n[None, :]
-    if SPLIT_K == 1:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(ptrs, acc, mask=mask)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv_config(n: int, k: int) -> dict:
-    """Block shape per matrix: narrow matrices split K so that every SM gets work."""
-    block_n = 32 if n >= 4096 else 16
-    split_k = max(1, min(4, 256 // triton.cdiv(n, block_n)))
-    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
+    """Block shape per matrix, from scripts/tune_gemv.py on an H200: narrow matrices take
+    thin column blocks (more programs) and long K steps (fewer loop trips)."""
+    if n < 4096:
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
@@ -65,14 +61,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(-1) != 1:
         x = x.contiguous()
     config = config or gemv_config(n, k)
-    split_k = config["SPLIT_K"]
-    # Split-K partial sums meet in a float32 buffer (atomics), cast back once at the end.
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, config["BLOCK_N"]), split_k)
-    _gemv_kernel[grid](
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=16, **config,
     )
-    return out.to(x.dtype) if split_k > 1 else out
+    return out
