@@ -42,7 +42,7 @@ def random_paged_cache(lens, kv_heads, head_dim, block_size, spare=3):
     return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=DEVICE)
 
 
-def reference(q, k_cache, v_cache, tables, lens, q_lens, scale):
+def reference(q, k_cache, v_cache, tables, lens, q_lens, scale, sliding_window=None):
     """The torch reference in float32, reading the same cache (nothing new to store)."""
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     ctx = Context(
@@ -50,12 +50,13 @@ def reference(q, k_cache, v_cache, tables, lens, q_lens, scale):
         context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
     )
     dummy = q[:, : k_cache.shape[2]].float()
-    return varlen_attention_reference(q.float(), dummy, dummy, k_cache.float(), v_cache.float(), ctx, scale)
+    return varlen_attention_reference(q.float(), dummy, dummy, k_cache.float(), v_cache.float(), ctx, scale, sliding_window)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, num_splits):
+@pytest.mark.parametrize("window", [None, 7 if not CUDA else 100])
+def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, num_splits, window):
     from minivllm.kernels.paged_attention import paged_decode_attention
 
     lens = [1, 37, 5, 300] if CUDA else [1, 13, 5, 22]
@@ -64,9 +65,10 @@ def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, num_split
     k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
     q = torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
     scale = head_dim**-0.5
+    # max_context_len larger than any context, as under a CUDA graph (sized for max_model_len).
     out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                 scale, max(lens), num_splits)
-    ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), scale)
+                                 scale, 2 * max(lens), num_splits, sliding_window=window)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), scale, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **TOL)
 
@@ -86,7 +88,8 @@ def test_paged_decode_padding_rows_give_zero():
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("window", [None, 5 if not CUDA else 100])
+def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):
     """Fresh prompts, prompts continuing a cached prefix, a chunk, and a decode row, mixed."""
     from minivllm.kernels.paged_attention import paged_prefill_attention
 
@@ -99,8 +102,8 @@ def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size):
     cu = torch.tensor([0] + q_lens).cumsum(0).to(device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
     out = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                  cu, max(q_lens), scale)
-    ref = reference(q, k_cache, v_cache, tables, lens, q_lens, scale)
+                                  cu, max(q_lens), scale, sliding_window=window)
+    ref = reference(q, k_cache, v_cache, tables, lens, q_lens, scale, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **TOL)
 
