@@ -3,7 +3,7 @@
 float32: the kernels use true float32 dot products, so greedy decoding matches token for
 token, as in test_gpu_engine. Gemma 3's sliding-window layers run in the Triton kernels
 (window 32 here, prompts up to 300 tokens, chunked prefill so chunks start inside and past
-the window). bfloat16: the first token's top log-probabilities agree within 0.1, as in
+the window). bfloat16: the first token's top-5 log-probabilities agree within 0.1, as in
 test_gpu_engine's bf16 check.
 """
 import pytest
@@ -49,7 +49,8 @@ def test_bfloat16_top_logprobs_close(tmp_path, family):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
     prompt = prompts()[4]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    # Our top 20 must hold their top 5: near-ties may swap places within bf16 rounding.
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float().log_softmax(-1)
     top = ref.topk(5)
