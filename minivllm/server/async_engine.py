@@ -24,6 +24,8 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -37,7 +39,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine")
+        # The engine thread runs torch on as many CPU threads as its creator does (the count
+        # is per thread under OpenMP, so a new thread would otherwise take the default).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs, in order
         self._work: asyncio.Event | None = None  # set when a request arrives
         self._loop_task: asyncio.Task | None = None
