@@ -39,7 +39,7 @@ from minivllm.server.protocol import (APIError, ChatCompletionRequest, Completio
 
 def sse_event(data: dict) -> str:
     """One server-sent event carrying ``data`` as JSON."""
-    raise NotImplementedError("ch14: frame one server-sent event: the line 'data: ' + the JSON of data (json.dumps, which escapes newlines inside strings), then a blank line, i.e. the event ends with two newlines, see the chapter 14 notebook")
+    raise NotImplementedError("ch14: frame one server-sent event: the line 'data: ' + the JSON of data (json.dumps, which escapes newlines inside strings), then a blank line, i.e. the event ends with two newlines, see notebooks/14_serving.ipynb")
 
 
 DONE_EVENT = "data: [DONE]\n\n"

@@ -21,6 +21,9 @@ serves them all with one model and one KV pool:
 - **leaving aborts**: when the caller stops iterating before the end (a client that
   disconnects), ``generate()`` queues ``abort_request``, which frees the request's blocks.
 
+While it runs, the AsyncLLMEngine owns its LLMEngine: nothing else may call it until
+``shutdown()`` has returned.
+
 Jobs run in the order they are submitted (one worker, one FIFO queue), which is what makes
 "add, then abort" safe even when the abort is submitted before the add has run.
 """
@@ -70,6 +73,8 @@ class AsyncLLMEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def shutdown(self) -> None:
+        """Stop the loop; when this returns, no job of ours runs or waits in the engine
+        thread, so the LLMEngine may be used directly again."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -77,6 +82,7 @@ class AsyncLLMEngine:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
+        await self._in_engine_thread(lambda: None)  # jobs run in order: this one runs last
         # Anyone still waiting gets an answer instead of waiting forever.
         self._fail_all(EngineDeadError("the engine was shut down"))
 
@@ -107,7 +113,7 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to the queue of the request it belongs to."""
-        raise NotImplementedError("ch14: route the step's outputs: put each RequestOutput on self._queues[output.request_id] with put_nowait; skip an output whose request has no queue any more (its caller left, and its abort is on the way), see the chapter 14 notebook")
+        raise NotImplementedError("ch14: route the step's outputs: put each RequestOutput on self._queues[output.request_id] with put_nowait; skip an output whose request has no queue any more (its caller left, and its abort is on the way), see notebooks/14_serving.ipynb")
 
     def _fail_all(self, error: BaseException) -> None:
         for queue in self._queues.values():
@@ -168,4 +174,4 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if added and not finished:
-                raise NotImplementedError("ch14: the caller left before the end: queue self._abort(request_id) in the engine thread with self._executor.submit (not awaited: this may run while the task is being cancelled), so the request's KV blocks come back, see the chapter 14 notebook")
+                raise NotImplementedError("ch14: the caller left before the end: queue self._abort(request_id) in the engine thread with self._executor.submit (not awaited: this may run while the task is being cancelled), so the request's KV blocks come back, see notebooks/14_serving.ipynb")

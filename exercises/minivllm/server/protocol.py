@@ -172,7 +172,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
     try:
-        raise NotImplementedError("ch14: return SamplingParams from the request: temperature, top_p, top_k, min_p (a None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the max_tokens and logprobs computed above, see the chapter 14 notebook")
+        raise NotImplementedError("ch14: return SamplingParams from the request: temperature, top_p, top_k, min_p (a None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the max_tokens and logprobs computed above, see notebooks/14_serving.ipynb")
     except InvalidParameter as e:
         param = e.param
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):

@@ -20,6 +20,9 @@ serves them all with one model and one KV pool:
 - **leaving aborts**: when the caller stops iterating before the end (a client that
   disconnects), ``generate()`` queues ``abort_request``, which frees the request's blocks.
 
+While it runs, the AsyncLLMEngine owns its LLMEngine: nothing else may call it until
+``shutdown()`` has returned.
+
 Jobs run in the order they are submitted (one worker, one FIFO queue), which is what makes
 "add, then abort" safe even when the abort is submitted before the add has run.
 """
@@ -69,6 +72,8 @@ class AsyncLLMEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def shutdown(self) -> None:
+        """Stop the loop; when this returns, no job of ours runs or waits in the engine
+        thread, so the LLMEngine may be used directly again."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -76,6 +81,7 @@ class AsyncLLMEngine:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
+        await self._in_engine_thread(lambda: None)  # jobs run in order: this one runs last
         # Anyone still waiting gets an answer instead of waiting forever.
         self._fail_all(EngineDeadError("the engine was shut down"))
 
