@@ -54,6 +54,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class InvalidParameter(ValueError):
+    """A bad sampling value. ``param`` names the field, so a server can point at it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+        raise InvalidParameter(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}", name)

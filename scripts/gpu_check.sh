@@ -29,7 +29,7 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  for which in kernels latency throughput; do
+  for which in kernels latency throughput serving; do
     python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
@@ -55,7 +55,7 @@ rows = []
 def load(name):
     p = os.path.join("benchmarks", name)
     return json.load(open(p)) if os.path.exists(p) else None
-k, l, t = load("kernels.json"), load("latency.json"), load("throughput.json")
+k, l, t, sv = load("kernels.json"), load("latency.json"), load("throughput.json"), load("serving.json")
 if k:
     for c in k["paged_decode_attention"]:
         rows.append((f"paged decode attn b={c['batch']} ctx={c['context']}", f"{c['seconds']*1e6:.0f} us",
@@ -75,6 +75,11 @@ if t:
         rows.append((f"transformers {key}", f"{r['output_tokens_per_s']:.0f} tok/s" if "output_tokens_per_s" in r else r.get("error", "-")[:60], ""))
     c = t["ceilings"]
     rows.append(("ceilings", f"{c['copy_bandwidth_bytes_per_s']/1e12:.2f} TB/s copy", f"{c['bf16_matmul_flops_per_s']/1e12:.0f} TFLOP/s bf16"))
+if sv:
+    for r in sv["online"]:
+        rows.append((f"serving rate {r['rate']}/s", f"TTFT p50 {r['ttft_s']['p50']*1e3:.0f} ms p99 {r['ttft_s']['p99']*1e3:.0f}",
+                     f"ITL p50 {r['itl_s']['p50']*1e3:.1f} ms, {r['output_tokens_per_s']:.0f} tok/s"))
+    rows.append(("serving workload offline", f"{sv['offline']['output_tokens_per_s']:.0f} tok/s", ""))
 print("\n=== GPU check summary ===")
 for r in rows:
     print(f"{r[0]:<40} {r[1]:>22} {r[2]:>22}")

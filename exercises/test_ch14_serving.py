@@ -1,0 +1,236 @@
+"""Chapter 14 — serving: the SSE framing, request fields to SamplingParams, the loop's
+routing of outputs, and the abort when a caller leaves.
+
+Your ``sse_event`` (exercises/minivllm/server/api.py) must frame one event exactly as
+server-sent events want it, so that a stream of them splits back into the same payloads.
+Your ``to_sampling_params`` (exercises/minivllm/server/protocol.py) must carry every field
+across, with SamplingParams' defaults where the request left a field out, for completions
+and chat alike; bad values must come back as 400s naming the field. Your ``_dispatch`` and
+the abort in ``generate`` (exercises/minivllm/server/async_engine.py) are checked on a tiny
+model: concurrent callers get exactly the offline engine's tokens, and a caller that stops
+early (closes its iterator, or is cancelled) leaves the KV pool entirely free.
+"""
+import asyncio
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from minivllm import LLM, SamplingParams
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.server.api import sse_event
+from minivllm.server.async_engine import AsyncLLMEngine
+from minivllm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, to_sampling_params
+from minivllm.testing import torch_threads
+
+# --- the SSE framing ------------------------------------------------------------------
+
+
+def parse_stream(raw: str) -> list:
+    """What an SSE client does: events end at a blank line; each has one 'data: ' line."""
+    assert raw.endswith("\n\n"), "every event ends with a blank line: the text must end with two newlines"
+    events = raw.split("\n\n")[:-1]
+    payloads = []
+    for event in events:
+        assert event.startswith("data: "), f"an event is a line 'data: <json>', got {event[:60]!r}"
+        assert "\n" not in event, f"one event is one line (JSON escapes newlines in strings), got {event!r}"
+        payloads.append(json.loads(event[len("data: "):]))
+    return payloads
+
+
+def test_ch14_sse_event_is_one_data_line_and_a_blank_line():
+    payload = {"id": "cmpl-1", "choices": [{"index": 0, "text": "two\nlines", "finish_reason": None}]}
+    event = sse_event(payload)
+    assert isinstance(event, str), f"sse_event returns the event as a str, got {type(event).__name__}"
+    assert event.startswith("data: ") and event.endswith("\n\n"), f"expected 'data: {{json}}\\n\\n', got {event!r}"
+    assert event.count("\n") == 2, f"the only newlines are the two that end the event, got {event!r}"
+    assert json.loads(event[len("data: "):-2]) == payload
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=50)
+@given(st.lists(st.dictionaries(st.text(max_size=8), json_values, max_size=4), min_size=1, max_size=5))
+def test_ch14_a_stream_of_events_splits_back_into_its_payloads(payloads):
+    raw = "".join(sse_event(p) for p in payloads)
+    assert parse_stream(raw) == payloads
+
+
+# --- request fields to SamplingParams -------------------------------------------------
+
+
+def completion(**fields) -> CompletionRequest:
+    return parse_request(json.dumps({"model": "m", "prompt": "hi", **fields}).encode(), CompletionRequest)
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def fields_of(params: SamplingParams) -> dict:
+    assert isinstance(params, SamplingParams), f"to_sampling_params returns SamplingParams, got {type(params).__name__}"
+    names = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+             "ignore_eos", "logprobs", "skip_special_tokens")
+    return {name: getattr(params, name) for name in names}
+
+
+DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, min_tokens=0, stop=[], stop_token_ids=[],
+                ignore_eos=False, logprobs=None, skip_special_tokens=True)
+
+
+def test_ch14_fields_left_out_take_the_defaults():
+    assert fields_of(to_sampling_params(completion())) == {**DEFAULTS, "max_tokens": 16}, (
+        "a completion that sets nothing: SamplingParams' defaults, and OpenAI's max_tokens default of 16"
+    )
+    assert fields_of(to_sampling_params(chat())) == {**DEFAULTS, "max_tokens": None}, (
+        "a chat that sets nothing: SamplingParams' defaults, and no max_tokens (until the context is full)"
+    )
+    nulls = dict(temperature=None, top_p=None, top_k=None, min_p=None)
+    assert fields_of(to_sampling_params(completion(**nulls))) == {**DEFAULTS, "max_tokens": 16}, (
+        "an explicit null takes the default too"
+    )
+
+
+def test_ch14_chat_logprobs_and_max_completion_tokens():
+    assert to_sampling_params(chat(logprobs=True)).logprobs == 0, "logprobs=true alone: the chosen token's only (0)"
+    assert to_sampling_params(chat(logprobs=True, top_logprobs=4)).logprobs == 4
+    assert to_sampling_params(chat(logprobs=False)).logprobs is None
+    assert to_sampling_params(chat(max_tokens=9, max_completion_tokens=5)).max_tokens == 5, (
+        "max_completion_tokens is the newer name and wins over max_tokens"
+    )
+
+
+@settings(max_examples=60)
+@given(
+    temperature=st.floats(0, 2), top_p=st.floats(0.01, 1), top_k=st.integers(0, 50), min_p=st.floats(0, 1),
+    seed=st.none() | st.integers(0, 2**31), max_tokens=st.integers(1, 200), min_tokens=st.integers(0, 1),
+    stop=st.none() | st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    stop_token_ids=st.lists(st.integers(0, 1000), max_size=3), ignore_eos=st.booleans(),
+    logprobs=st.none() | st.integers(0, 20), skip_special_tokens=st.booleans(),
+)
+def test_ch14_every_field_is_carried_across(**fields):
+    params = to_sampling_params(completion(**fields))
+    expected = {**fields, "stop": [fields["stop"]] if isinstance(fields["stop"], str) else list(fields["stop"] or [])}
+    assert fields_of(params) == expected
+
+
+@pytest.mark.parametrize("request_fields, param", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-3), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(max_tokens=3, min_tokens=4), "min_tokens"), (dict(stop=[""]), "stop"),
+])
+def test_ch14_bad_values_are_400s_naming_the_field(request_fields, param):
+    with pytest.raises(APIError) as error:
+        to_sampling_params(completion(**request_fields))
+    assert error.value.status == 400 and error.value.param == param, (
+        f"{request_fields}: expected a 400 naming {param!r}, got {error.value.status} naming {error.value.param!r}"
+    )
+
+
+# --- the loop and the abort -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with torch_threads(1):
+        yield LLM(str(tiny_qwen3), num_kv_blocks=128, block_size=8, max_num_seqs=16)
+
+
+def output(request_id: str, n: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "", list(range(n)))], finished=finished)
+
+
+def test_ch14_dispatch_routes_each_output_to_its_queue(llm):
+    engine = AsyncLLMEngine(llm.engine)
+    engine._queues = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+    outputs = [output("a", 1), output("b", 1), output("gone", 3), output("a", 2, finished=True)]
+    engine._dispatch(outputs)
+    a = [engine._queues["a"].get_nowait() for _ in range(engine._queues["a"].qsize())]
+    b = [engine._queues["b"].get_nowait() for _ in range(engine._queues["b"].qsize())]
+    assert a == [outputs[0], outputs[3]], "queue 'a' must get a's outputs, in order"
+    assert b == [outputs[1]], "queue 'b' must get b's output"
+
+
+async def until_idle(engine: AsyncLLMEngine, timeout: float = 20.0) -> None:
+    bm = engine.engine.block_manager
+    for _ in range(int(timeout / 0.01)):
+        if not engine.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"after {timeout} s: {bm.num_free_blocks} of {bm.num_blocks} blocks free, "
+                f"requests still in the engine: {engine.engine.has_unfinished_requests()}")
+
+
+def test_ch14_concurrent_callers_get_the_offline_tokens(llm):
+    prompts = [[5, 17, 301, 42], [9, 8, 7, 6, 5, 4, 3], [400, 3], [11] * 13]
+    lengths = [12, 5, 9, 7]
+    with torch_threads(1):
+        offline = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+                               use_tqdm=False)
+
+    async def one(engine, prompt, n):
+        seen = []
+        async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+            seen.append(out)
+        return seen
+
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(engine, p, n) for p, n in zip(prompts, lengths))), 60)
+        finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        streams = asyncio.run(run())
+    for i, (seen, want) in enumerate(zip(streams, offline)):
+        assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, lengths[i] + 1)), (
+            f"request {i}: one output per step, each one token longer"
+        )
+        assert seen[-1].finished and not any(o.finished for o in seen[:-1])
+        assert seen[-1].outputs[0].token_ids == want.outputs[0].token_ids, f"request {i} differs from the offline run"
+
+
+def test_ch14_a_caller_that_leaves_frees_its_blocks(llm):
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        try:
+            long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            # 1. Stop iterating after two outputs and close the iterator.
+            stream = engine.generate([5, 6, 7, 8, 9], long)
+            for _ in range(2):
+                await stream.__anext__()
+            await stream.aclose()
+            await until_idle(engine)
+            assert engine.num_aborted == 1, "closing the iterator early must abort the request"
+
+            # 2. A caller cancelled while it waits for its next token.
+            async def consume():
+                async for _ in engine.generate([1, 2, 3, 4], long):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until_idle(engine)
+            assert engine.num_aborted == 2, "a cancelled caller must abort its request"
+
+            # 3. A request that runs to the end is not aborted, and the engine still serves.
+            outs = [o async for o in engine.generate([3, 4], SamplingParams(temperature=0, max_tokens=3))]
+            assert outs[-1].finished and engine.num_aborted == 2
+            await until_idle(engine)
+        finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        asyncio.run(run())

@@ -1,0 +1,255 @@
+"""Online serving: requests arrive at a given rate; how long until the first token, and
+between tokens?
+
+Offline throughput (``bench throughput``) hands the engine every request at once and
+times the lot. A server sees requests arrive one by one, and its users feel two numbers:
+**TTFT**, the time from sending a request to its first token (queueing + prefill), and
+**ITL**, the inter-token latency, the gap between consecutive tokens of one stream (one
+engine step, longer when prefills of newcomers share the step). Both grow with the
+request rate: more requests in flight make every step bigger, until the engine cannot keep
+up and the queue, and with it TTFT, grows without bound.
+
+The load: ``num_requests`` requests whose arrival times are a Poisson process of the given
+rate (exponential gaps, seeded; ``inf`` sends all at once), each a streaming
+``/v1/completions`` call with random token ids as the prompt, ``ignore_eos`` and a fixed
+``max_tokens``, so every request produces exactly its planned tokens. Every SSE chunk
+carries the tokens of one engine step for that request, which for a decode is one token.
+The server runs as ``minivllm serve`` in its own process (the client does not share its
+interpreter), on the same workload that is also run offline for comparison.
+"""
+import asyncio
+import gc
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    planned_tokens: int
+    sent: float  # seconds after the start of the run
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with a token
+    output_tokens: int = 0  # as the server's usage reports it
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def latency(self) -> float:
+        return self.chunk_times[-1] - self.sent
+
+
+def arrival_times(num_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Send times of a Poisson process of ``rate`` requests per second (all 0 for inf)."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def send_one(client, url: str, model: str, prompt: list[int], max_tokens: int, sent: float,
+                   start: float, temperature: float = 0.0) -> RequestResult:
+    """One streaming completion; the time of every chunk that carried a token."""
+    result = RequestResult(len(prompt), max_tokens, sent)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"]:
+                    result.chunk_times.append(time.perf_counter() - start)
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # recorded per request, not hidden: the summary counts them
+        result.error = f"{type(e).__name__}: {e}"
+    if result.error is None and (result.output_tokens != max_tokens or len(result.chunk_times) != max_tokens):
+        result.error = f"expected {max_tokens} tokens in {max_tokens} chunks, got {result.output_tokens} in {len(result.chunk_times)}"
+    return result
+
+
+async def run_load(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rate: float,
+                   seed: int = 0, temperature: float = 0.0) -> tuple[list[RequestResult], float]:
+    """Send the requests at ``rate`` per second; return their results and the run's seconds."""
+    import httpx
+
+    times = arrival_times(len(prompts), rate, seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def later(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
+            return await send_one(client, base_url, model, prompts[i], output_lens[i], time.perf_counter() - start,
+                                  start, temperature)
+
+        results = await asyncio.gather(*(later(i) for i in range(len(prompts))))
+        return list(results), time.perf_counter() - start
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict:
+    if not values:
+        return {f"p{p}": None for p in ps}
+    ordered = sorted(values)
+    # Nearest rank: the smallest value with at least p% of the values at or below it.
+    return {f"p{p}": ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] for p in ps}
+
+
+def summarize(results: list[RequestResult], seconds: float, rate: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    itls = [x for r in ok for x in r.itls]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "requests": len(results),
+        "errors": [r.error for r in results if r.error is not None][:5],
+        "num_errors": len(results) - len(ok),
+        "seconds": seconds,
+        "request_throughput": len(ok) / seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "itl_s": percentiles(itls),
+        "latency_s": percentiles([r.latency for r in ok]),
+        "mean_ttft_s": sum(r.ttft for r in ok) / max(len(ok), 1),
+        "mean_itl_s": sum(itls) / max(len(itls), 1),
+    }
+
+
+# -- the whole benchmark ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, port: int, name: str, extra: list[str], timeout_s: float = 900) -> subprocess.Popen:
+    """``minivllm serve`` in a process of its own; returns once /health answers."""
+    import httpx
+
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--model", str(model), "--port", str(port),
+               "--served-model-name", name, *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    server = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before it answered: {' '.join(command)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
+
+
+def run_offline(model: Path, prompts, output_lens, llm_args: dict) -> dict:
+    """The same requests through ``LLM.generate``, all at once: the throughput ceiling."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(str(model), **llm_args)
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([p[::-1] for p in prompts[:16]], warm, use_tqdm=False)  # compile/warm on other prompts
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    del llm, outputs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "request_throughput": len(prompts) / seconds}
+
+
+def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[float] | None = None,
+         num_requests: int | None = None, seed: int = 0) -> dict:
+    from minivllm.bench.throughput import make_workload, model_checkpoint
+    from minivllm.config import ModelConfig
+    from minivllm.llm import BUNDLED_MODEL, resolve_model
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        path = resolve_model(model) if model else model_checkpoint()
+        rates = rates or [2, 4, 8, 16, 32, 64, math.inf]
+        num_requests = num_requests or 200
+        prompt_len, output_len = (100, 1024), (32, 256)
+        llm_args = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 16384}
+    else:
+        path = resolve_model(model) if model else BUNDLED_MODEL
+        rates = rates or [1, 2, 4, math.inf]
+        num_requests = num_requests or 24
+        prompt_len, output_len = (16, 64), (16, 32)
+        llm_args = {"max_num_seqs": 64}
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    prompts, lens = make_workload(num_requests, *prompt_len, vocab=vocab, seed=seed)
+    rng = random.Random(seed + 1)
+    output_lens = [rng.randint(*output_len) for _ in lens]
+
+    offline = run_offline(path, prompts, output_lens, llm_args)
+
+    port, name = free_port(), "bench"
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in llm_args.items()]
+    server = start_server(path, port, name, extra)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # Warm-up at the workload's prompt lengths (kernel specialisations compile here).
+        warm = [p[::-1] for p in prompts[:16]]
+        asyncio.run(run_load(url, name, warm, [4] * len(warm), math.inf, seed))
+        runs = []
+        for rate in rates:
+            results, seconds = asyncio.run(run_load(url, name, prompts, output_lens, rate, seed))
+            runs.append(summarize(results, seconds, rate))
+            print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
+                  f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    report = {
+        "device": device,
+        "model": str(model) if model else ("random weights, Qwen3-0.6B shapes, bfloat16" if cuda else "bundled model"),
+        "workload": {"requests_per_rate": num_requests, "prompt_len": list(prompt_len), "output_len": list(output_len),
+                     "temperature": 0, "ignore_eos": True, "arrivals": "Poisson", "seed": seed,
+                     "total_output_tokens": sum(output_lens)},
+        "engine": llm_args,
+        "offline": offline,
+        "online": runs,
+        "torch": torch.__version__,
+    }
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "serving.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,179 @@
+"""From ``step()`` to a server: one background loop drives the engine for many callers.
+
+``LLMEngine`` is synchronous: someone must call ``step()`` over and over, and the requests
+in the batch are whoever was added before that call. A server has many callers arriving
+at any moment, each waiting for its own tokens, and some leaving early. The shape that
+serves them all with one model and one KV pool:
+
+- **one thread owns the engine.** Every call that touches its state (``add_request``,
+  ``step``, ``abort_request``) is a job for a single worker thread, so they never overlap
+  and need no locks; the asyncio event loop stays free to read and write sockets while a
+  step runs on the model;
+- **one loop task** submits ``step()`` to that thread again and again while there is work,
+  and sleeps on an event when there is none;
+- **one queue per request**: the loop routes each ``RequestOutput`` to its request's queue;
+  ``generate()`` is an async iterator over that queue;
+- **leaving aborts**: when the caller stops iterating before the end (a client that
+  disconnects), ``generate()`` queues ``abort_request``, which frees the request's blocks.
+
+While it runs, the AsyncLLMEngine owns its LLMEngine: nothing else may call it until
+``shutdown()`` has returned.
+
+Jobs run in the order they are submitted (one worker, one FIFO queue), which is what makes
+"add, then abort" safe even when the abort is submitted before the add has run.
+"""
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised: the engine's state can no longer be trusted, so it serves no more."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        # The engine thread runs torch on as many CPU threads as its creator does (the count
+        # is per thread under OpenMP, so a new thread would otherwise take the default).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine",
+                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs, in order
+        self._work: asyncio.Event | None = None  # set when a request arrives
+        self._loop_task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+        self.num_aborted = 0  # requests aborted before they finished (clients that left)
+
+    @classmethod
+    def from_model(cls, model=None, **kwargs) -> "AsyncLLMEngine":
+        """Build the engine as ``LLM(model, **kwargs)`` would (the bundled model by default)."""
+        from minivllm.llm import LLM
+
+        return cls(LLM(model, **kwargs).engine)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop (idempotent)."""
+        if self._loop_task is None or self._loop_task.done():
+            self._work = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def shutdown(self) -> None:
+        """Stop the loop; when this returns, no job of ours runs or waits in the engine
+        thread, so the LLMEngine may be used directly again."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        await self._in_engine_thread(lambda: None)  # jobs run in order: this one runs last
+        # Anyone still waiting gets an answer instead of waiting forever.
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _in_engine_thread(self, fn, *args) -> asyncio.Future:
+        """Queue ``fn(*args)`` for the engine thread now; await the result when needed."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _step_if_busy(self) -> list[RequestOutput] | None:
+        """Runs in the engine thread: one step, or None when there is nothing to do."""
+        return self.engine.step() if self.engine.has_unfinished_requests() else None
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                # Clear before looking for work: a request that arrives after the check sets
+                # the event again, so the wait below cannot miss it.
+                self._work.clear()
+                outputs = await self._in_engine_thread(self._step_if_busy)
+                if outputs is None:
+                    await self._work.wait()
+                    continue
+                self._dispatch(outputs)
+                # A step of a tiny model can take microseconds: give the HTTP side a turn.
+                await asyncio.sleep(0)
+        except Exception as e:  # a bug or a device error inside step(): fail loudly, everywhere
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to the queue of the request it belongs to."""
+        # BEGIN SOLUTION ch14 "route the step's outputs: put each RequestOutput on self._queues[output.request_id] with put_nowait; skip an output whose request has no queue any more (its caller left, and its abort is on the way)"
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        # END SOLUTION
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.error!r}")
+        if self._loop_task is not None and self._loop_task.done():
+            raise EngineDeadError("the engine loop is not running")
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the engine would refuse. Reads only fixed sizes
+        (vocabulary, max_model_len), so it is safe beside a running step."""
+        self.engine.validate_prompt(prompt_token_ids)
+
+    def _abort(self, request_id: str) -> None:
+        """Runs in the engine thread."""
+        if self.engine.abort_request(request_id):
+            self.num_aborted += 1
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that gives it a token; the last one
+        has ``finished=True``. Stop iterating early (or be cancelled) and the request is
+        aborted. A bad prompt raises ValueError before anything is queued."""
+        self.check_health()
+        self.start()
+        self.validate(prompt_token_ids)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        added = finished = False
+        try:
+            submitted = self._in_engine_thread(
+                self.engine.add_request, prompt_token_ids, sampling_params, request_id, prompt, True)
+            added = True  # from here on the add will run, even if we are cancelled while it waits
+            await submitted
+            self._work.set()
+            while True:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    finished = True  # nothing left to abort: the engine is gone
+                    raise output
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if added and not finished:
+                # BEGIN SOLUTION ch14 "the caller left before the end: queue self._abort(request_id) in the engine thread with self._executor.submit (not awaited: this may run while the task is being cancelled), so the request's KV blocks come back"
+                self._executor.submit(self._abort, request_id)
+                # END SOLUTION
