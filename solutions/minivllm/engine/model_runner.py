@@ -39,9 +39,7 @@ class ModelRunner:
         limit = config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.model_config.max_position_embeddings, self.num_kv_blocks * self.block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Sliding-window layers run the reference attention, which syncs with the host: no graphs.
-        windowed = any(getattr(layer, "sliding_window", None) is not None for layer in self.layers)
-        if self.device.type == "cuda" and not config.enforce_eager and not windowed:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
 
     # -- the KV pool -------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    num_splits,
+    num_splits, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -44,8 +44,10 @@ def _decode_kernel(
     # Each split takes an equal share of *this* sequence's context, in whole BLOCK_N tiles:
     # short contexts spread over the splits too (under a CUDA graph the launch is sized
     # for max_model_len, but a 150-token context still gets three programs, not one).
-    partition = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * partition
+    # A sliding window (window > 0) hides every key before context_len - window.
+    first = tl.maximum(context_len - window, 0) if window > 0 else 0
+    partition = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * partition
     end = tl.minimum(start + partition, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -125,8 +127,10 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one query per sequence). Returns the same shape.
+    With ``sliding_window`` each query sees only the last sliding_window keys.
 
     ``max_context_len`` bounds the context lengths (it sizes the splits; under a CUDA graph
     it is the engine's max_model_len, since the real lengths change at every replay).
@@ -148,7 +152,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        num_splits,
+        num_splits, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
     )
@@ -168,7 +172,7 @@ def _prefill_kernel(
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
-    stride_bt,
+    stride_bt, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -195,7 +199,12 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Keys beyond the tile's last query are masked for every row: stop there.
     hi = tl.minimum(kv_len, offset + (tile + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    # With a sliding window, keys before the tile's first query's window are masked for
+    # every row: start at the tile that holds the first visible one.
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(offset + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
         block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
@@ -203,6 +212,8 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
+        if window > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
@@ -227,9 +238,12 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
-    values, cached prefix included, are already in the cache. Causal. Returns q's shape."""
+    values, cached prefix included, are already in the cache. Causal, and with
+    ``sliding_window`` the query at position p sees keys j with p - sliding_window < j <= p.
+    Returns q's shape."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
@@ -243,7 +257,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), sliding_window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
     )

@@ -104,21 +104,19 @@ def varlen_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
-    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass).
-
-    The Triton kernels have no sliding window: a windowed layer takes the reference path
-    even on a GPU (correct, but slow, and it syncs with the host, so no CUDA graphs).
-    """
+    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
     use_cache = k_cache is not None and ctx.slot_mapping is not None
-    if use_cache and use_triton(q) and sliding_window is None:
+    if use_cache and use_triton(q):
         from minivllm.kernels import kv_store, paged_attention
 
         kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return paged_attention.paged_prefill_attention(
-                q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale)
+                q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
+                sliding_window=sliding_window)
         return paged_attention.paged_decode_attention(
-            q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len)
+            q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len,
+            sliding_window=sliding_window)
     return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale, sliding_window)
 
 
