@@ -45,7 +45,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """The experts' mixed output for every token, [T, H] in x's dtype (see the module docstring)."""
     check_moe_shapes(x, w_gate_up, w_down, topk_weights, topk_ids)
-    if use_triton(x) and moe_backend() == "fused":
+    if moe_backend() == "fused" and use_triton(x):
         from minivllm.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
