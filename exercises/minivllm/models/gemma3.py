@@ -33,7 +33,7 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
-    raise NotImplementedError("ch11: gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end, see the chapter 11 notebook")
+    raise NotImplementedError("ch11: gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end, see notebooks/11_model_families.ipynb")
 
 
 class GemmaRMSNorm(nn.Module):
