@@ -29,7 +29,7 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  for which in kernels latency throughput serving; do
+  for which in ${BENCHES:-kernels latency throughput moe serving}; do
     python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
@@ -55,7 +55,7 @@ rows = []
 def load(name):
     p = os.path.join("benchmarks", name)
     return json.load(open(p)) if os.path.exists(p) else None
-k, l, t, sv = load("kernels.json"), load("latency.json"), load("throughput.json"), load("serving.json")
+k, l, t, m, sv = (load(f"{name}.json") for name in ("kernels", "latency", "throughput", "moe", "serving"))
 if k:
     for c in k["paged_decode_attention"]:
         rows.append((f"paged decode attn b={c['batch']} ctx={c['context']}", f"{c['seconds']*1e6:.0f} us",
@@ -67,14 +67,20 @@ if l:
     for n, s in l["cuda_graphs"]["ttft_seconds"].items():
         rows.append((f"TTFT {n}-token prompt", f"{s*1e3:.1f} ms", ""))
 if t:
-    m = t["minivllm"]
-    rows.append(("throughput (256 req)", f"{m['output_tokens_per_s']:.0f} tok/s", f"{m['percent_of_speed_of_light']:.0f}% of SOL"))
+    ours = t["minivllm"]
+    rows.append(("throughput (256 req)", f"{ours['output_tokens_per_s']:.0f} tok/s", f"{ours['percent_of_speed_of_light']:.0f}% of SOL"))
     tr = t.get("transformers") or {}
     for key in ("generate_batch", "padded_generate"):
         r = tr.get(key, {})
         rows.append((f"transformers {key}", f"{r['output_tokens_per_s']:.0f} tok/s" if "output_tokens_per_s" in r else r.get("error", "-")[:60], ""))
     c = t["ceilings"]
     rows.append(("ceilings", f"{c['copy_bandwidth_bytes_per_s']/1e12:.2f} TB/s copy", f"{c['bf16_matmul_flops_per_s']/1e12:.0f} TFLOP/s bf16"))
+if m:
+    for c in m["moe_layer"]:
+        rows.append((f"MoE layer {c['tokens']} tokens, fused", f"{c['fused_seconds']*1e6:.0f} us",
+                     f"x{c['speedup']:.1f} vs loop, {c['fused_percent_of_floor']:.0f}% SOL"))
+    for name, r in m["engine"]["runs"].items():
+        rows.append((f"MoE 4-layer throughput, {name}", f"{r['output_tokens_per_s']:.0f} tok/s", ""))
 if sv:
     for r in sv["online"]:
         rows.append((f"serving rate {r['rate']}/s", f"TTFT p50 {r['ttft_s']['p50']*1e3:.0f} ms p99 {r['ttft_s']['p99']*1e3:.0f}",
