@@ -101,8 +101,9 @@ def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):
     q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
     cu = torch.tensor([0] + q_lens).cumsum(0).to(device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                  cu, max(q_lens), scale, sliding_window=window)
+    # int64 lengths, as the engine passes them (the decode test uses int32).
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64, device=DEVICE),
+                                  cu.long(), max(q_lens), scale, sliding_window=window)
     ref = reference(q, k_cache, v_cache, tables, lens, q_lens, scale, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **TOL)

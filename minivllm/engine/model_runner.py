@@ -21,6 +21,9 @@ from minivllm.layers.sampler import Sampler, SamplerOutput
 from minivllm.loader import load_model
 
 
+WARMUP_MAX_SEQ_LEN = 1024
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -55,8 +58,10 @@ class ModelRunner:
         else:
             num_blocks = int(config.cpu_kv_cache_space * 2**30) // self.block_bytes
         if num_blocks < 1:
+            gib = {k: round(v / 2**30, 2) if k != "gpu_memory_utilization" else v
+                   for k, v in getattr(self, "memory_budget", {}).items()}
             raise RuntimeError(
-                f"no memory left for the KV cache (one block needs {self.block_bytes} bytes); "
+                f"no memory left for the KV cache (one block needs {self.block_bytes} bytes; GiB: {gib}); "
                 "raise gpu_memory_utilization or cpu_kv_cache_space, or set num_kv_blocks"
             )
         first = self.layers[0]
@@ -79,13 +84,18 @@ class ModelRunner:
         # Budget = the allowed share of the card, minus what is in use now, minus the
         # activations' headroom the warm-up showed we need on top of the weights.
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)
+        self.memory_budget = {"total": total, "in_use": used, "warmup_activations": peak - current,
+                              "gpu_memory_utilization": self.config.gpu_memory_utilization}
         return int(budget) // self.block_bytes
 
     @torch.inference_mode()
     def _warmup(self) -> None:
         """One forward pass of the largest batch the scheduler can send, without a cache."""
+        # Sequences of at most WARMUP_MAX_SEQ_LEN: the warm-up runs the reference attention
+        # (there is no cache yet), whose [len x len] score matrix the engine's flash-style
+        # kernels never build; a longer one would measure a peak that real steps never reach.
         max_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
-                      self.config.max_num_batched_tokens)
+                      self.config.max_num_batched_tokens, WARMUP_MAX_SEQ_LEN)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len, self.config.max_num_seqs))
         ids = torch.zeros(num_seqs * max_len, dtype=torch.long, device=self.device)
         positions = torch.arange(max_len, device=self.device).repeat(num_seqs)

@@ -41,7 +41,7 @@ def _decode_kernel(
     # short contexts spread over the splits too (under a CUDA graph the launch is sized
     # for max_model_len, but a 150-token context still gets three programs, not one).
     # A sliding window (window > 0) hides every key before context_len - window.
-    first = tl.maximum(context_len - window, 0) if window > 0 else 0
+    first = tl.maximum(tl.where(window > 0, context_len - window, 0), 0)
     partition = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * partition
     end = tl.minimum(start + partition, context_len)
@@ -201,9 +201,8 @@ def _prefill_kernel(
     hi = tl.minimum(kv_len, offset + (tile + 1) * BLOCK_M)
     # With a sliding window, keys before the tile's first query's window are masked for
     # every row: start at the tile that holds the first visible one.
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(offset + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    first_visible = tl.where(window > 0, offset + tile * BLOCK_M - window + 1, 0)
+    lo = tl.maximum(first_visible, 0) // BLOCK_N * BLOCK_N
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
