@@ -29,6 +29,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     # Gemma 3 text: a small window and four layers, so local and global layers both appear.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # Qwen3.5 text: Gated DeltaNet layers with one full-attention layer in four.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
@@ -38,6 +40,15 @@ FAMILY_SHAPES = {
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         query_pre_attn_scalar=16,
+    ),
+    "qwen3_5": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
     ),
 }
 
