@@ -188,13 +188,20 @@ def gated_delta_rule_varlen(
     A prefill step runs the chunked form per sequence, a decode step one batched recurrent
     step. Returns [num_tokens, Hv, dv] in v's dtype."""
     with_pool = states is not None and ctx.state_slots is not None
-    if with_pool and use_triton(q):
+    if use_triton(q):
         from minivllm.kernels import gated_delta as kernels
 
-        if ctx.is_prefill:
-            return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
-                                                     ctx.cu_seqlens_q, ctx.max_seqlen_q)
-        return kernels.recurrent_gated_delta_step(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state)
+        if with_pool and not ctx.is_prefill:
+            return kernels.recurrent_gated_delta_step(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state)
+        cu, longest = ctx.cu_seqlens_q, ctx.max_seqlen_q
+        if cu is None:
+            cu, longest = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device), q.shape[0]
+        elif not longest:  # a context without the host-side bound (a warm-up pass): ask the device
+            longest = int((cu[1:] - cu[:-1]).max())
+        if not with_pool:
+            return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, None, None, None, cu, longest)
+        return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
+                                                cu, longest)
     qp, kp = prepare_qk(q, k, v.shape[1])
     if with_pool and not ctx.is_prefill:
         # Decode: one token per sequence, all sequences in one batched step.
