@@ -252,7 +252,8 @@ def _chunk_scan_kernel(
         w = tl.load(w_ptr + t[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=km, other=0.0)
         u = tl.load(u_ptr + t[:, None] * stride_ut + h * stride_uh + cols[None, :], mask=vm, other=0.0)
         v_new = u - tl.dot(w, state, input_precision=PRECISION)
-        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
+        # Rows past the sequence's end (gamma 0 there) would overflow: mask them too.
+        decay = tl.exp(tl.where(causal & tm[:, None], gamma[:, None] - gamma[None, :], float("-inf")))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
         out = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
         out += tl.dot(scores, v_new, input_precision=PRECISION)
