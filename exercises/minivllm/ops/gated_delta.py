@@ -63,7 +63,7 @@ def gated_delta_step(
     state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
-    raise NotImplementedError("ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state), see the chapter 13 notebook")
+    raise NotImplementedError("ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state), see notebooks/13_hybrid_attention.ipynb")
 
 
 def recurrent_gated_delta_rule(
@@ -96,7 +96,7 @@ def gated_delta_chunk(
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    raise NotImplementedError("ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state), see the chapter 13 notebook")
+    raise NotImplementedError("ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state), see notebooks/13_hybrid_attention.ipynb")
 
 
 def chunk_gated_delta_rule(
@@ -122,7 +122,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     before x come from the state. Returns (out [T, D] before the activation, the new state:
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
-    raise NotImplementedError("ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state), see the chapter 13 notebook")
+    raise NotImplementedError("ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state), see notebooks/13_hybrid_attention.ipynb")
 
 
 # -- a packed batch, with the state pool ----------------------------------------------
