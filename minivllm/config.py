@@ -125,7 +125,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
+            partial_rotary_factor=hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),

@@ -27,6 +27,11 @@ class Context:
     # Host-side bounds that size kernel launch grids without a device sync.
     max_seqlen_q: int = 0
     max_context_len: int = 0
+    # Hybrid models (Gated DeltaNet layers keep a fixed-size state per sequence instead of
+    # K/V): each sequence's state slot, shape [num_seqs] (-1 marks a padding row), and
+    # whether it continues from that slot's state (1) or starts from zeros (0, first chunk).
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
 
 _CONTEXT = Context()

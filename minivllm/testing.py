@@ -31,6 +31,8 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     # Qwen3-MoE: eight small experts, two per token, in every layer.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    # Qwen3.5 text: Gated DeltaNet layers with one full-attention layer in four.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
@@ -42,6 +44,15 @@ FAMILY_SHAPES = {
         query_pre_attn_scalar=16,
     ),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3_5": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    ),
 }
 
 EOS_TOKEN = "<|endoftext|>"

@@ -22,14 +22,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
 
 if [[ $parts == *tests* ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) \
     2>&1 | tee "$OUT/tests.log"
   status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
 fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  for which in ${BENCHES:-kernels latency throughput moe serving}; do
+  for which in ${BENCHES:-kernels latency throughput moe gated-delta serving}; do
     python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
@@ -55,7 +55,14 @@ rows = []
 def load(name):
     p = os.path.join("benchmarks", name)
     return json.load(open(p)) if os.path.exists(p) else None
-k, l, t, m, sv = (load(f"{name}.json") for name in ("kernels", "latency", "throughput", "moe", "serving"))
+k, l, t, m, sv, gd = (load(f"{name}.json") for name in ("kernels", "latency", "throughput", "moe", "serving", "gated_delta"))
+if gd:
+    for c in gd["chunked_prefill"]:
+        rows.append((f"gated delta prefill {'+'.join(map(str, c['prompt_lens']))}", f"{c['triton_seconds']*1e6:.0f} us",
+                     f"x{c['speedup']:.1f} vs torch"))
+    for c in gd["recurrent_decode"]:
+        rows.append((f"gated delta decode b={c['batch']}", f"{c['triton_seconds']*1e6:.0f} us",
+                     f"{c['percent_of_copy_bandwidth']:.0f}% of copy BW"))
 if k:
     for c in k["paged_decode_attention"]:
         rows.append((f"paged decode attn b={c['batch']} ctx={c['context']}", f"{c['seconds']*1e6:.0f} us",

@@ -13,6 +13,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -62,7 +63,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(config)
         model_config = self.runner.model_config
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        if self.runner.num_state_slots:
+            # Hybrid model: a state slot per sequence besides its blocks; no prefix caching
+            # (see minivllm.engine.state_pool for why).
+            self.block_manager = HybridCacheManager(self.runner.num_kv_blocks, config.block_size, self.runner.num_state_slots)
+        else:
+            self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = set(model_config.eos_token_id)

@@ -16,6 +16,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.context import get_context, reset_context, set_context
 from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.state_pool import allocate_state_pools, state_layers, state_metadata
 from minivllm.generate import attention_layers
 from minivllm.layers.sampler import Sampler, SamplerOutput
 from minivllm.loader import load_model
@@ -33,6 +34,11 @@ class ModelRunner:
         self.model_config = self.model.config
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)
+        # Hybrid models: a state slot per running sequence in every linear-attention layer,
+        # allocated before the KV pool so that the pool is sized from what is left.
+        self.state_layers = state_layers(self.model)
+        self.num_state_slots = config.max_num_seqs if self.state_layers else 0
+        self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device)
         self.num_kv_blocks = self._allocate_kv_cache()
         # A sequence can never grow past the model's positions, nor past the whole pool.
         limit = config.max_model_len or self.model_config.max_position_embeddings
@@ -142,6 +148,9 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
         )
+        if self.state_layers:
+            ctx = get_context()
+            ctx.state_slots, ctx.has_initial_state = self._to_device(state_metadata(batch.seqs))
         return dev[:t], dev[t : 2 * t]
 
     def _to_device(self, host: np.ndarray) -> torch.Tensor:
@@ -191,6 +200,8 @@ class ModelRunner:
             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "hidden": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
+            "state_slots": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "has_initial_state": torch.zeros(max_bs, dtype=torch.long, device=dev),
         }
         s = self.static
         pool = None
@@ -211,6 +222,8 @@ class ModelRunner:
             is_prefill=False, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][:bs],
             context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
             max_seqlen_q=1, max_context_len=self.max_model_len,
+            state_slots=s["state_slots"][:bs] if self.state_layers else None,
+            has_initial_state=s["has_initial_state"][:bs] if self.state_layers else None,
         )
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -225,6 +238,10 @@ class ModelRunner:
         s["context_lens"][:n] = ctx.context_lens
         width = ctx.block_tables.shape[1]
         s["block_tables"][:n, :width] = ctx.block_tables
+        if self.state_layers:  # padding rows have no state slot: they read and write none
+            s["state_slots"][:bs].fill_(-1)
+            s["state_slots"][:n] = ctx.state_slots
+            s["has_initial_state"][:n] = ctx.has_initial_state
         self.graphs[bs].replay()
         return s["hidden"][:n]
 

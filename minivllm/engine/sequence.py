@@ -27,6 +27,7 @@ class Sequence:
         # Of those, how many were found in the prefix cache at admission.
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # hybrid models: the slot of its recurrent state
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []
         self.num_preemptions = 0

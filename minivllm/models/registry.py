@@ -6,6 +6,7 @@ from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.qwen2 import Qwen2ForCausalLM
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
 }
 
 

@@ -1,0 +1,205 @@
+# Exercise copy of minivllm/ops/gated_delta.py, generated from it by scripts/make_exercises.py.
+# Fill in: gated_delta_step (ch13), gated_delta_chunk (ch13), causal_conv1d (ch13).
+# Grade: pytest exercises -k ch13
+# Running the generator again overwrites this file: commit or copy your work first.
+
+"""The gated delta rule and its causal convolution: the torch reference, and the dispatch.
+
+A Gated DeltaNet layer keeps, per head, a state matrix S of shape [key_dim, value_dim]
+instead of a KV cache. For each token t, with query q_t, key k_t (both L2-normalised, the
+query also scaled by key_dim ** -0.5), value v_t, decay g_t <= 0 (log space) and write
+strength beta_t in (0, 1):
+
+    S     <- exp(g_t) * S                      forget a little of everything
+    delta  = beta_t * (v_t - S^T k_t)          what S predicts for k_t, corrected towards v_t
+    S     <- S + k_t delta^T                   write the correction at k_t
+    o_t    = S^T q_t                           read
+
+Three forms of the same computation live here:
+
+- ``gated_delta_step``: one token for a batch of states (decode);
+- ``gated_delta_chunk``: a whole chunk of tokens at once with a few matmuls and one small
+  triangular solve (prefill), ``chunk_gated_delta_rule`` runs it chunk by chunk;
+- ``recurrent_gated_delta_rule``: the step in a loop, the spec the other two must match.
+
+Tensors are packed as everywhere in the engine: [num_tokens, heads, dim], sequences one
+after another (``Context.cu_seqlens_q``). Each sequence's recurrent state and conv state
+live in a *slot* of a per-layer pool; ``Context.state_slots`` says which, and
+``Context.has_initial_state`` whether the sequence continues from it (a later chunk, a
+decode) or starts from zeros (its first tokens).
+"""
+import torch
+import torch.nn.functional as F
+
+from minivllm.context import Context
+from minivllm.ops.dispatch import use_triton
+
+CHUNK_SIZE = 64
+
+
+# -- one sequence (and one step), the math ---------------------------------------------
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x**2) + eps) over the last dimension (eps inside the root, as transformers)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 queries and keys as the rule uses them: one per value head (grouped heads:
+    value head h reads key head h // (num_v_heads // num_k_heads)), L2-normalised, and the
+    queries scaled by key_dim ** -0.5."""
+    group = num_v_heads // q.shape[-2]
+    q = l2_normalize(q.float().repeat_interleave(group, dim=-2))
+    k = l2_normalize(k.float().repeat_interleave(group, dim=-2))
+    return q * q.shape[-1] ** -0.5, k
+
+
+def gated_delta_step(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for a batch of N states, in float32.
+
+    state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
+    g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
+    """
+    raise NotImplementedError("ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state), see notebooks/13_hybrid_attention.ipynb")
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive recurrence over one sequence: the spec. q, k: [T, H, dk] (prepared);
+    v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (out [T, H, dv], final state)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    state = state.float()
+    for t in range(q.shape[0]):
+        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
+        out[t], state = o[0], s[0]
+    return out, state
+
+
+def gated_delta_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """C tokens of one sequence at once, starting from ``state``: what C calls of
+    gated_delta_step compute, in matmuls. Shapes as recurrent_gated_delta_rule, float32.
+
+    With gamma_i = g_1 + ... + g_i (the decay from the chunk's start to token i) and
+    u_i the correction written at token i, unrolling the recurrence gives
+        u_i = beta_i (v_i - exp(gamma_i) S^T k_i - sum_{j<i} exp(gamma_i - gamma_j) (k_i . k_j) u_j)
+    a lower-triangular system (I + A) U = beta V - diag(beta exp(gamma)) K S, solved once for
+    the chunk. Then every output and the final state are sums over the chunk:
+        o_i  = exp(gamma_i) S^T q_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i . k_j) u_j
+        S'   = exp(gamma_C) S + sum_j exp(gamma_C - gamma_j) k_j u_j^T
+    """
+    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
+    g, beta = g.T.float(), beta.T.float()  # [H, C]
+    size = q.shape[1]
+    raise NotImplementedError("ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state), see notebooks/13_hybrid_attention.ipynb")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form over one sequence: chunks of ``chunk_size`` tokens, the state
+    carried from one to the next. Same arguments and result as recurrent_gated_delta_rule."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    state = state.float()
+    for start in range(0, q.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        out[part], state = gated_delta_chunk(q[part], k[part], v[part], g[part], beta[part], state)
+    return out, state
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal convolution of one sequence's new inputs, and its rolled state.
+
+    x: [T, D] new inputs; weight: [D, K] (one filter of width K per channel); conv_state:
+    [D, K - 1], the K - 1 inputs before x (zeros before the sequence's first token).
+    Output t of channel c is sum_j weight[c, j] * input[t - (K - 1) + j], where inputs
+    before x come from the state. Returns (out [T, D] before the activation, the new state:
+    the last K - 1 inputs, some of them still the old state's when T < K - 1).
+    """
+    raise NotImplementedError("ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state), see notebooks/13_hybrid_attention.ipynb")
+
+
+# -- a packed batch, with the state pool ----------------------------------------------
+
+
+def _sequences(ctx: Context, num_tokens: int) -> list[tuple[int, int]]:
+    if ctx.cu_seqlens_q is None:
+        return [(0, num_tokens)]
+    cu = ctx.cu_seqlens_q.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _initial(pool: torch.Tensor | None, ctx: Context, i: int, shape, dtype, device) -> torch.Tensor:
+    """Sequence i's state before this step: its slot's, or zeros for a first chunk (or no pool)."""
+    if pool is None or ctx.state_slots is None or not bool(ctx.has_initial_state[i]):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return pool[int(ctx.state_slots[i])]
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None, ctx: Context) -> torch.Tensor:
+    """SiLU(causal conv) of a packed batch; each sequence continues from its conv state and
+    leaves its last K - 1 inputs in it. x: [num_tokens, D]; conv_states: [slots, D, K - 1]
+    or None (no pool: every sequence starts from zeros, nothing is kept)."""
+    if conv_states is not None and ctx.state_slots is not None and use_triton(x):
+        from minivllm.kernels import gated_delta as kernels
+
+        if not ctx.is_prefill:
+            return kernels.causal_conv1d_update(x, weight, conv_states, ctx.state_slots, ctx.has_initial_state)
+    out = torch.empty_like(x)
+    for i, (start, end) in enumerate(_sequences(ctx, x.shape[0])):
+        state = _initial(conv_states, ctx, i, (x.shape[1], weight.shape[1] - 1), x.dtype, x.device)
+        out[start:end], state = causal_conv1d(x[start:end], weight, state)
+        if conv_states is not None and ctx.state_slots is not None:
+            conv_states[int(ctx.state_slots[i])] = state
+    return F.silu(out)
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor | None, ctx: Context,
+) -> torch.Tensor:
+    """The gated delta rule over a packed batch: the Triton kernels on a GPU, the torch
+    reference elsewhere. q, k: [num_tokens, Hk, dk] raw (normalised here); v: [num_tokens,
+    Hv, dv]; g, beta: [num_tokens, Hv] float32; states: [slots, Hv, dk, dv] float32 or None.
+    A prefill step runs the chunked form per sequence, a decode step one batched recurrent
+    step. Returns [num_tokens, Hv, dv] in v's dtype."""
+    with_pool = states is not None and ctx.state_slots is not None
+    if use_triton(q):
+        from minivllm.kernels import gated_delta as kernels
+
+        if with_pool and not ctx.is_prefill:
+            return kernels.recurrent_gated_delta_step(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state)
+        cu, longest = ctx.cu_seqlens_q, ctx.max_seqlen_q
+        if cu is None:
+            cu, longest = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device), q.shape[0]
+        elif not longest:  # a context without the host-side bound (a warm-up pass): ask the device
+            longest = int((cu[1:] - cu[:-1]).max())
+        if not with_pool:
+            return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, None, None, None, cu, longest)
+        return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
+                                                cu, longest)
+    qp, kp = prepare_qk(q, k, v.shape[1])
+    if with_pool and not ctx.is_prefill:
+        # Decode: one token per sequence, all sequences in one batched step.
+        slots = ctx.state_slots.long()
+        keep = ctx.has_initial_state.bool()[:, None, None, None]
+        state = torch.where(keep, states[slots], torch.zeros((), device=states.device))
+        out, state = gated_delta_step(state, qp, kp, v.float(), g, beta)
+        states[slots] = state
+        return out.to(v.dtype)
+    out = torch.empty_like(v)
+    shape = (v.shape[1], q.shape[2], v.shape[2])
+    for i, (start, end) in enumerate(_sequences(ctx, q.shape[0])):
+        part = slice(start, end)
+        state = _initial(states, ctx, i, shape, torch.float32, q.device)
+        o, state = chunk_gated_delta_rule(qp[part], kp[part], v[part], g[part], beta[part], state)
+        out[part] = o.to(v.dtype)
+        if with_pool:
+            states[int(ctx.state_slots[i])] = state
+    return out

@@ -1,0 +1,97 @@
+"""Chapter 13 — hybrid attention: one recurrent step, the conv-state update, one chunk.
+
+Your ``gated_delta_step``, ``causal_conv1d`` and ``gated_delta_chunk``
+(exercises/minivllm/ops/gated_delta.py) are graded against formulas written out here, one
+head and one token at a time, on random inputs of random shapes (hypothesis): the step
+against S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q; the conv against
+F.conv1d with zero padding, with the state carried across pieces of any length; the chunk
+against the step-by-step recurrence from the same starting state. The Gated DeltaNet layer
+and the engine's decode and prefill paths call exactly these functions on the CPU.
+"""
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minivllm.ops.gated_delta import causal_conv1d, gated_delta_chunk, gated_delta_step
+
+
+def one_step(state, q, k, v, g, beta):
+    """The rule for one head and one token, written out: state [dk, dv]."""
+    state = torch.exp(g) * state
+    delta = beta * (v - state.T @ k)
+    state = state + torch.outer(k, delta)
+    return state.T @ q, state
+
+
+def rule_inputs(seed, length, heads, dk, dv):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(length, heads, dv, generator=gen)
+    g = -torch.rand(length, heads, generator=gen) * 2
+    beta = torch.rand(length, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 4), heads=st.integers(1, 3), dk=st.integers(1, 8),
+       dv=st.integers(1, 8))
+def test_ch13_gated_delta_step(seed, rows, heads, dk, dv):
+    q, k, v, g, beta, _ = rule_inputs(seed, rows, heads, dk, dv)
+    state = torch.randn(rows, heads, dk, dv, generator=torch.Generator().manual_seed(seed + 1))
+    out, new_state = gated_delta_step(state.clone(), q, k, v, g, beta)
+    assert out.shape == (rows, heads, dv), f"out must be [N, H, dv] = {(rows, heads, dv)}, got {tuple(out.shape)}"
+    assert new_state.shape == state.shape, "the new state has the state's shape"
+    for n in range(rows):
+        for h in range(heads):
+            ref_out, ref_state = one_step(state[n, h], q[n, h], k[n, h], v[n, h], g[n, h], beta[n, h])
+            torch.testing.assert_close(new_state[n, h], ref_state, atol=1e-5, rtol=1e-5,
+                                       msg=f"row {n}, head {h}: wrong new state")
+            torch.testing.assert_close(out[n, h], ref_out, atol=1e-5, rtol=1e-5,
+                                       msg=f"row {n}, head {h}: wrong output (read the *updated* state)")
+
+
+def test_ch13_delta_rule_overwrites_instead_of_adding():
+    """Writing v1 then v2 at the same (unit) key with beta = 1 leaves exactly v2 there."""
+    k = torch.tensor([[[1.0, 0.0]]])
+    state = torch.zeros(1, 1, 2, 3)
+    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
+    _, state = gated_delta_step(state, k, k, torch.tensor([[[1.0, 2.0, 3.0]]]), zero, one)
+    out, state = gated_delta_step(state, k, k, torch.tensor([[[5.0, 5.0, 5.0]]]), zero, one)
+    torch.testing.assert_close(out[0, 0], torch.tensor([5.0, 5.0, 5.0]))
+
+
+@given(seed=st.integers(0, 2**16), dim=st.integers(1, 6), width=st.integers(2, 5),
+       pieces=st.lists(st.integers(1, 7), min_size=1, max_size=4))
+def test_ch13_causal_conv1d_carries_its_state(seed, dim, width, pieces):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(pieces), dim, generator=gen)
+    weight = torch.randn(dim, width, generator=gen)
+    # The whole sequence at once, zero-padded on the left: the definition.
+    ref = F.conv1d(x.T[None], weight[:, None, :], padding=width - 1, groups=dim)[0, :, : x.shape[0]].T
+    state, outs, start = torch.zeros(dim, width - 1), [], 0
+    for n in pieces:
+        out, state = causal_conv1d(x[start : start + n], weight, state)
+        assert out.shape == (n, dim), f"out must be [T, D] = {(n, dim)}, got {tuple(out.shape)}"
+        assert state.shape == (dim, width - 1), f"the state must stay [D, K - 1] = {(dim, width - 1)}, got {tuple(state.shape)}"
+        outs.append(out)
+        start += n
+        # The state is the last K - 1 inputs so far (zeros before the first token).
+        seen = torch.cat([torch.zeros(width - 1, dim), x[:start]])
+        torch.testing.assert_close(state, seen[-(width - 1):].T, msg=f"after {start} tokens: wrong conv state")
+    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=1e-5)
+
+
+@given(seed=st.integers(0, 2**16), length=st.integers(1, 24), heads=st.integers(1, 3), dk=st.integers(1, 8),
+       dv=st.integers(1, 8))
+def test_ch13_gated_delta_chunk_equals_the_recurrence(seed, length, heads, dk, dv):
+    q, k, v, g, beta, state = rule_inputs(seed, length, heads, dk, dv)
+    out, final = gated_delta_chunk(q, k, v, g, beta, state.clone())
+    assert out.shape == (length, heads, dv), f"out must be [C, H, dv] = {(length, heads, dv)}, got {tuple(out.shape)}"
+    for h in range(heads):
+        s = state[h]
+        for t in range(length):
+            o, s = one_step(s, q[t, h], k[t, h], v[t, h], g[t, h], beta[t, h])
+            torch.testing.assert_close(out[t, h], o, atol=1e-4, rtol=1e-4, msg=f"token {t}, head {h}: wrong output")
+        torch.testing.assert_close(final[h], s, atol=1e-4, rtol=1e-4, msg=f"head {h}: wrong final state")

@@ -1,0 +1,103 @@
+"""State slots for hybrid models: one fixed-size slot per running sequence.
+
+A Gated DeltaNet layer does not cache keys and values; it carries a conv state and a
+recurrent state per sequence, the same size at token 10 as at token 100,000. The pools
+hold ``num_slots`` of each per layer (allocated once by the model runner); a sequence takes
+a slot when it is admitted and gives it back when it finishes or is preempted. A preempted
+sequence is recomputed from its first token, so it needs nothing saved: its next admission
+takes any free slot and starts from zeros (``Context.has_initial_state`` is 0 for a
+sequence with nothing computed).
+
+The full-attention layers of the same model keep the paged KV cache, so a hybrid model's
+cache manager is the block manager plus a slot pool. Prefix caching is off for hybrid
+models: a cached block holds the attention layers' keys and values for its tokens, but the
+linear-attention layers' state after those tokens is not kept anywhere, so a request that
+hit the block could not resume the recurrence from it.
+"""
+from collections import deque
+
+import numpy as np
+import torch
+from torch import nn
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.gated_deltanet import GatedDeltaNet
+
+
+def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def allocate_state_pools(layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device) -> int:
+    """Give each layer its pools of ``num_slots`` conv states (model dtype) and recurrent
+    states (float32: the state sums thousands of updates). Returns the bytes of one slot."""
+    slot_bytes = 0
+    for layer in layers:
+        conv_shape, recurrent_shape = layer.state_shapes()
+        layer.conv_states = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
+        layer.recurrent_states = torch.zeros(num_slots, *recurrent_shape, dtype=torch.float32, device=device)
+        for pool in (layer.conv_states, layer.recurrent_states):
+            slot_bytes += pool[0].numel() * pool.element_size()
+    return slot_bytes
+
+
+def state_metadata(seqs: list[Sequence]) -> np.ndarray:
+    """The step's [2, num_seqs] rows for the Context: each sequence's slot, and whether it
+    continues from that slot's state (something computed already) or starts from zeros."""
+    return np.array([[seq.state_slot for seq in seqs], [int(seq.num_computed_tokens > 0) for seq in seqs]],
+                    dtype=np.int64)
+
+
+class StatePool:
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots ({num_slots}) must be >= 1")
+        self.num_slots = num_slots
+        self.free_slots: deque[int] = deque(range(num_slots))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds state slot {seq.state_slot}")
+        if not self.free_slots:
+            raise RuntimeError("no free state slot: admit at most num_slots sequences")
+        seq.state_slot = self.free_slots.popleft()
+
+    def free(self, seq: Sequence) -> None:
+        """Give seq's slot back (nothing to do for a sequence that holds none)."""
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
+
+
+class HybridCacheManager(BlockManager):
+    """KV blocks for the full-attention layers and a state slot for the linear-attention
+    layers, taken and given back together: at admission, and at finish or preemption."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+        self.states = StatePool(num_state_slots)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.states.num_free_slots > 0 and super().can_allocate(seq)
+
+    def allocate(self, seq: Sequence) -> None:
+        if self.states.num_free_slots == 0:
+            raise RuntimeError("no free state slot: check can_allocate first")
+        super().allocate(seq)
+        self.states.allocate(seq)
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self.states.free(seq)
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        super().check_invariants(seqs)
+        held = [seq.state_slot for seq in seqs if seq.state_slot is not None]
+        assert len(held) == len(set(held)), f"two sequences share a state slot: {sorted(held)}"
+        assert sorted(held + list(self.states.free_slots)) == list(range(self.states.num_slots)), \
+            "a state slot is lost or both held and free"

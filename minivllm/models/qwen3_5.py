@@ -1,0 +1,136 @@
+"""Qwen3.5 (text, ``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``): a hybrid decoder.
+
+Most layers mix tokens with Gated DeltaNet linear attention (``layers.gated_deltanet``):
+a fixed-size recurrent state per sequence, no KV cache. Every few layers (``layer_types``,
+by default one in four) is full attention over the paged KV cache, with Qwen3.5's
+differences from Qwen3:
+
+- the query projection also produces an output gate per head ([q | gate] for each head):
+  the attention output is multiplied by sigmoid(gate) before ``o_proj``;
+- partial rotary: only the first quarter of each head's channels carry position;
+- every RMSNorm of the decoder (layer norms, q/k norms, the final norm) scales by
+  ``1 + weight`` in float32 (weights centred on zero), as Gemma's; the gated norm inside
+  the linear-attention layers scales by ``weight``.
+"""
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.layers.attention import Attention
+from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
+from minivllm.layers.gated_deltanet import GatedDeltaNet
+from minivllm.layers.linear import Linear, PackedLinear
+from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.models.gemma3 import GemmaRMSNorm
+from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def hybrid_layer_types(config: ModelConfig) -> list[str]:
+    """Which layers are linear attention and which full: config.json's ``layer_types``,
+    or the default pattern of one full-attention layer every ``full_attention_interval``."""
+    hf = config.hf_config
+    types = hf.get("layer_types")
+    if types is None:
+        interval = hf.get("full_attention_interval", 4)
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(config.num_hidden_layers)]
+    if len(types) != config.num_hidden_layers or set(types) - {LINEAR, FULL}:
+        raise ValueError(f"layer_types must name {LINEAR!r} or {FULL!r} for each of the "
+                         f"{config.num_hidden_layers} layers, got {types}")
+    return list(types)
+
+
+class Qwen3_5Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = config.hf_config.get("attention_bias", False)
+        # q_proj's rows hold, per head, head_dim query rows then head_dim gate rows.
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rotary_dim, config.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q_gate, k, v = self.qkv_proj(hidden_states).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v).flatten(1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR:
+            hf = config.hf_config
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"],
+                hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4),
+                config.rms_norm_eps,
+            )
+        else:
+            self.self_attn = Qwen3_5Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(hidden_states)
+        x = self.linear_attn(x) if self.layer_type == LINEAR else self.self_attn(positions, x)
+        hidden_states = hidden_states + x
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in hybrid_layer_types(config))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        **Qwen3ForCausalLM.packed_modules_mapping,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5Model(config)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states for a flat batch of tokens ([num_tokens] ids and positions)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor, all_tokens: bool = False) -> torch.Tensor:
+        """Next-token logits: for each sequence's last token, or for every token."""
+        if not all_tokens:
+            hidden_states = last_token_states(hidden_states)
+        return self.lm_head(hidden_states)

@@ -1,0 +1,122 @@
+"""Qwen3.5 on a CUDA GPU: the gated delta kernels at a real layer's shape, and the engine
+(Triton kernels, CUDA graphs with padding rows) against transformers.
+
+Marked gpu: `make test` deselects them on the CPU; scripts/gpu_check.sh runs them.
+
+Kernel tolerances: bfloat16 inputs (8 bits of mantissa), float32 state, products in tf32
+(10 bits) inside the kernels, outputs rounded to bfloat16: O(1) values agree within about
+two bf16 ulps, atol 2e-2 and rtol 2e-2, as tests/test_kernels.py. The state is float32 in
+both, so it is held to the same bound after hundreds of tokens of decay and update.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, SamplingParams
+from minivllm.ops.gated_delta import chunk_gated_delta_rule, gated_delta_step, prepare_qk
+from minivllm.testing import make_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+TOL = dict(atol=2e-2, rtol=2e-2)
+HK, HV, DK, DV = 16, 32, 128, 128  # a Qwen3.5 Gated DeltaNet layer
+
+
+def layer_inputs(num_tokens, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mixed = torch.randn(num_tokens, 2 * HK * DK + HV * DV, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = mixed[:, : HK * DK].view(num_tokens, HK, DK)
+    k = mixed[:, HK * DK : 2 * HK * DK].view(num_tokens, HK, DK)
+    v = mixed[:, 2 * HK * DK :].view(num_tokens, HV, DV)
+    decay = -torch.rand(num_tokens, HV, device="cuda", generator=g) * 0.5
+    beta = torch.rand(num_tokens, HV, device="cuda", generator=g)
+    return q, k, v, decay, beta
+
+
+def test_chunk_kernel_at_qwen3_5_shape():
+    from minivllm.kernels.gated_delta import chunk_gated_delta_varlen
+
+    lens = [700, 64, 1, 1030, 65]
+    q, k, v, decay, beta = layer_inputs(sum(lens))
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    states = torch.randn(8, HV, DK, DV, device="cuda") * 0.1
+    slots = torch.tensor([5, 0, 7, 2, 3], device="cuda")
+    has_initial = torch.tensor([1, 0, 1, 1, 0], device="cuda")
+    before = states.clone()
+    out = chunk_gated_delta_varlen(q, k, v, decay, beta, states, slots, has_initial, cu, max(lens))
+    assert not out.isnan().any()
+    qp, kp = prepare_qk(q, k, HV)
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        init = before[slots[i]] if has_initial[i] else torch.zeros(HV, DK, DV, device="cuda")
+        part = slice(start, end)
+        ref, ref_state = chunk_gated_delta_rule(qp[part], kp[part], v[part].float(), decay[part], beta[part], init)
+        torch.testing.assert_close(out[part].float(), ref, **TOL)
+        torch.testing.assert_close(states[slots[i]], ref_state, **TOL)
+    for slot in (1, 4, 6):
+        assert torch.equal(states[slot], before[slot])
+
+
+def test_recurrent_kernel_at_qwen3_5_shape():
+    from minivllm.kernels.gated_delta import recurrent_gated_delta_step
+
+    batch = 64
+    q, k, v, decay, beta = layer_inputs(batch, seed=1)
+    states = torch.randn(batch + 8, HV, DK, DV, device="cuda") * 0.1
+    slots = torch.randperm(batch + 8, device="cuda")[:batch]
+    slots[5] = -1  # a CUDA-graph padding row
+    has_initial = (torch.rand(batch, device="cuda") < 0.9).long()
+    before = states.clone()
+    out = recurrent_gated_delta_step(q, k, v, decay, beta, states, slots, has_initial)
+    qp, kp = prepare_qk(q, k, HV)
+    real = slots >= 0
+    start = torch.where(has_initial[:, None, None, None].bool(), before[slots.clamp(min=0)], 0.0)
+    ref, ref_state = gated_delta_step(start, qp, kp, v.float(), decay, beta)
+    torch.testing.assert_close(out[real].float(), ref[real], **TOL)
+    torch.testing.assert_close(states[slots[real]], ref_state[real], **TOL)
+    assert out[5].abs().max() == 0
+    untouched = torch.ones(batch + 8, dtype=torch.bool, device="cuda")
+    untouched[slots[real]] = False
+    assert torch.equal(states[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_float32_greedy_identical_to_transformers(tmp_path, enforce_eager):
+    """float32 on the GPU (true float32 products in the kernels): greedy tokens equal
+    transformers', with CUDA graphs (decode batches padded to a captured size, padding rows
+    holding no state slot) and without; prompts shorter and longer than a chunk."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=5, max_position_embeddings=1024)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(path), dtype="float32", enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
+              block_size=16, max_num_batched_tokens=256, max_num_seqs=32, record_trace=True)
+    assert bool(llm.engine.runner.graphs) != enforce_eager
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(1, 300, (19,), generator=g)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert any(len(s.seqs) > 1 and all(k == "decode" for *_, k in s.seqs) for s in llm.engine.trace)
+
+
+def test_bfloat16_logits_close_to_transformers(tmp_path):
+    """bfloat16: first-token log-probabilities agree with transformers' bf16 within 0.1
+    (bf16 rounding of O(1) logits through a few layers), and the top token agrees."""
+    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=6, dtype=torch.bfloat16, hidden_size=256,
+                                intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                                linear_value_head_dim=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
+    g = torch.Generator().manual_seed(3)
+    for length in (40, 300):
+        prompt = torch.randint(0, 512, (length,), generator=g).tolist()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float().log_softmax(-1)
+        top = ref.topk(5)
+        ours = out.outputs[0].logprobs[0]
+        assert out.outputs[0].token_ids[0] == int(top.indices[0])
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert tid in ours and abs(ours[tid].logprob - lp) < 0.1
