@@ -24,6 +24,19 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _free_gpu_memory_after_test():
+    """Each engine sizes its KV pool to a share of the GPU's memory: an engine left alive by
+    an earlier test (reference cycles wait for the garbage collector) would leave the next
+    one nothing. Collect it, and hand the cached blocks back, after every test."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def _gpu_tests_need_cuda(request):
     """A test marked gpu fails on a machine without CUDA instead of skipping. `make test`
     deselects them (-m "not gpu"); scripts/gpu_check.sh runs them on the GPU."""

@@ -61,8 +61,10 @@ class ScaledVocabEmbedding(VocabEmbedding):
         self.scale = hidden_size**0.5
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
-        return F.embedding(input_ids, self.weight) * scale.to(self.weight.device)
+        # Rounded on the host to the weights' dtype, then used as a Python number: no
+        # host-to-device copy, so the step can be captured in a CUDA graph.
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype).item()
+        return F.embedding(input_ids, self.weight) * scale
 
 
 class Gemma3Attention(nn.Module):
