@@ -60,7 +60,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            # One process per rank; this one is rank 0 and drives the others (chapter 16).
+            from minivllm.engine.tp_worker import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         model_config = self.runner.model_config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -119,6 +125,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any. The engine is unusable after."""
+        self.runner.shutdown()
 
     # -- the step ----------------------------------------------------------------------
 
