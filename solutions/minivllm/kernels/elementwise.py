@@ -10,7 +10,8 @@ norm; gate into up) is the whole point: each fusion removes a full pass over the
 
   rms_norm:     reads x (+ residual) and weight, writes y (+ new residual)   ~5 FLOP/elem
   silu_and_mul: reads [T, 2I], writes [T, I]                                 ~6 FLOP/elem
-  rope:         reads q, k and cos/sin rows, writes rotated q, k              ~3 FLOP/elem
+  qk_norm_rope: reads q, k (+ norm weights) and cos/sin rows, writes them     ~8 FLOP/elem
+                normalised and rotated
 """
 import torch
 import triton
@@ -93,40 +94,86 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
-    n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _norm_rope_heads(
+    x_ptr, out_ptr, w_ptr, cos, sin, stride_xh, stride_oh, n_heads, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """One token's heads of q (or k): optional per-head RMSNorm, then the NeoX rotation."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < n_heads
+    x1 = tl.load(x_ptr + h * stride_xh + d, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + h * stride_xh + HALF + d, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        # As the reference: statistics in float32, normalised value rounded to the
+        # activations' dtype, then scaled by the weight in that dtype.
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + d)
+        w2 = tl.load(w_ptr + HALF + d)
+        x1 = (w1 * (x1 * rstd).to(dtype)).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype)).to(tl.float32)
+    dst = out_ptr.dtype.element_ty
+    tl.store(out_ptr + h * stride_oh + d, (x1 * cos - x2 * sin).to(dst), mask=mask)
+    tl.store(out_ptr + h * stride_oh + HALF + d, (x2 * cos + x1 * sin).to(dst), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
+    n_q_heads, n_k_heads, eps,
+    HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
+    # One cos/sin row serves every head of this token, queries and keys alike.
     cos = tl.load(cos_ptr + pos * stride_cache + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cache + d)[None, :]
-    h = tl.arange(0, BLOCK_H)[:, None]
-    mask = h < n_heads
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = out_ptr + t * stride_ot + h * stride_oh
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out + d[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(out + HALF + d[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    _norm_rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, q_w_ptr, cos, sin,
+                     stride_qh, stride_qoh, n_q_heads, eps, HALF, BLOCK_QH, HAS_NORM)
+    _norm_rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, k_w_ptr, cos, sin,
+                     stride_kh, stride_koh, n_k_heads, eps, HALF, BLOCK_KH, HAS_NORM)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x ([tokens, heads, head_dim], NeoX halves layout) to ``positions``; full rotary only."""
-    tokens, heads, head_dim = x.shape
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ([tokens, heads, head_dim], NeoX halves layout, full rotary) to
+    ``positions``, after a per-head RMSNorm when the weights are given (Qwen3's q/k norm).
+
+    One launch for both: q and k may be strided views into the packed qkv output, read in
+    place. Unfused this is six kernels per layer (two copies to make the views contiguous,
+    two norms, two rotations); at batch 1 launches, not bytes, are what cost.
+    """
+    tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
     half = head_dim // 2
     if cos_cache.shape[-1] != half or head_dim & (head_dim - 1):
-        raise ValueError(f"rope kernel needs full rotary over a power-of-two head_dim, got {head_dim}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype, device=x.device)
-    cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
-    _rope_kernel[(tokens,)](
-        x, out, positions, cos_cache, sin_cache,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_cache.stride(0),
-        heads, HALF=half, BLOCK_H=triton.next_power_of_2(heads),
+        raise ValueError(f"qk_norm_rope needs full rotary over a power-of-two head_dim, got {head_dim}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q_weight and k_weight, or neither")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need contiguous head_dim")
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, k_heads, head_dim, dtype=k.dtype, device=k.device)
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[(tokens,)](
+        q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, positions,
+        cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
+        q_heads, k_heads, eps,
+        HALF=half, BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
+        HAS_NORM=has_norm,
     )
-    return out
+    return q_out, k_out

@@ -83,13 +83,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
+    @property
+    def is_full_power_of_two(self) -> bool:
+        """Whether the Triton kernel applies: every channel rotates and head_dim is a power of two."""
+        return self.rotary_dim == self.head_dim and not self.head_dim & (self.head_dim - 1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens])."""
-        if use_triton(q) and self.rotary_dim == self.head_dim and not self.head_dim & (self.head_dim - 1):
-            from minivllm.kernels.elementwise import rope
+        if use_triton(q) and self.is_full_power_of_two:
+            from minivllm.kernels.elementwise import qk_norm_rope
 
-            return (rope(q, positions, self.cos_cache, self.sin_cache),
-                    rope(k, positions, self.cos_cache, self.sin_cache))
+            return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
