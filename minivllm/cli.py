@@ -1,4 +1,4 @@
-"""``minivllm generate | bench throughput | bench latency | bench kernels | bench tp``."""
+"""``minivllm generate | bench throughput | bench latency | bench kernels | bench moe | bench tp``."""
 import argparse
 import json
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--seed", type=int, default=None)
     bench = sub.add_parser("bench", help="benchmarks on a CUDA GPU")
-    bench.add_argument("which", choices=["throughput", "latency", "kernels", "tp"])
+    bench.add_argument("which", choices=["throughput", "latency", "kernels", "moe", "tp"])
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args(argv)
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> None:
             from minivllm.bench.throughput import main as run
 
             report = run(args.out, with_transformers=not args.no_transformers)
+        elif args.which == "moe":
+            from minivllm.bench.moe import main as run
+
+            report = run(args.out)
         elif args.which == "latency":
             from minivllm.bench.latency import main as run
 

@@ -39,6 +39,13 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers
     query_pre_attn_scalar: float | None = None  # attention scale is its inverse square root
     final_logit_softcapping: float | None = None  # logits -> tanh(logits / cap) * cap
+    # Mixture of experts (Qwen3-MoE): num_experts == 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: experts each token is sent to
+    moe_intermediate_size: int = 0  # each expert's feed-forward width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
+    decoder_sparse_step: int = 1  # every step-th layer is sparse ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which stay dense
     torch_dtype: torch.dtype = torch.float32
     eos_token_id: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -52,6 +59,18 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                                 f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive, got "
+                                 f"{self.moe_intermediate_size} and {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Does layer ``layer_idx`` route through experts (else: one dense MLP)?"""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def rotary_dim(self) -> int:
@@ -118,6 +137,14 @@ class ModelConfig:
             rope_local_theta=None if local_theta is None else float(local_theta),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
+            # transformers writes the expert count as "num_local_experts" (its attribute map),
+            # the hub's Qwen3-MoE configs as "num_experts".
+            num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             eos_token_id=eos,
             hf_config=hf,
         )

@@ -1,10 +1,13 @@
 """Load a Hugging Face checkpoint (``*.safetensors``, sharded or not) into our modules.
 
 For each tensor in the files: rename it if it belongs to a packed projection (q/k/v ->
-qkv_proj, gate/up -> gate_up_proj), find the parameter, and let the parameter's own
-``weight_loader`` put it in place. Anything missing, unexpected or misshapen is an error
-that names the tensor: a silently half-loaded model writes fluent nonsense.
+qkv_proj, gate/up -> gate_up_proj) or is one expert's piece of a stacked expert parameter
+(``experts.3.up_proj.weight`` -> ``experts.gate_up_proj``, shard (3, 1)), find the
+parameter, and let the parameter's own ``weight_loader`` put it in place. Anything
+missing, unexpected or misshapen is an error that names the tensor: a silently
+half-loaded model writes fluent nonsense.
 """
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +21,8 @@ from minivllm.safetensors_index import safetensors_files
 
 # Tensors some checkpoints carry that are recomputed from the config instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in the hub's layout: "<prefix>.experts.<e>.<projection>.weight".
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
@@ -25,6 +30,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_modules_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
     expected = {(name, shard) for name, shard in _expected_shards(model, packed)}
     loaded: set[tuple[str, object]] = set()
@@ -35,7 +41,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
                     continue
-                name, shard_id = _our_name(ckpt_name, packed)
+                name, shard_id = _our_name(ckpt_name, packed, experts)
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
                 param = params[name]
@@ -50,12 +56,17 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded.add((name, shard_id))
 
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+    whole = {n for n, s in loaded if s is None}  # a whole tensor covers all of its shards
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded if n not in whole)
     if missing:
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
 
 
-def _our_name(ckpt_name: str, packed: dict) -> tuple[str, object]:
+def _our_name(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
+    match = EXPERT_TENSOR.match(ckpt_name)
+    if match and match["proj"] in experts:
+        our_part, part = experts[match["proj"]]
+        return f"{match['prefix']}.{our_part}", (int(match["expert"]), part)
     for ckpt_part, (our_part, shard_id) in packed.items():
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
@@ -67,9 +78,12 @@ def _expected_shards(model: nn.Module, packed: dict):
     shards_of: dict[str, list] = {}
     for ckpt_part, (our_part, shard_id) in packed.items():
         shards_of.setdefault(our_part, []).append(shard_id)
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         module = name.split(".")[-2] if "." in name else ""
-        if module in shards_of:
+        if hasattr(param, "shard_ids"):  # stacked experts: one piece per expert and projection
+            for shard_id in param.shard_ids:
+                yield name, shard_id
+        elif module in shards_of:
             for shard_id in shards_of[module]:
                 yield name, shard_id
         else:

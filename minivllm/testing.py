@@ -29,6 +29,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     # Gemma 3 text: a small window and four layers, so local and global layers both appear.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # Qwen3-MoE: eight small experts, two per token, in every layer.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
@@ -39,6 +41,7 @@ FAMILY_SHAPES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         query_pre_attn_scalar=16,
     ),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 EOS_TOKEN = "<|endoftext|>"

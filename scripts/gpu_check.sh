@@ -29,7 +29,7 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  for which in kernels latency throughput; do
+  for which in kernels latency throughput moe; do
     python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
@@ -55,7 +55,7 @@ rows = []
 def load(name):
     p = os.path.join("benchmarks", name)
     return json.load(open(p)) if os.path.exists(p) else None
-k, l, t = load("kernels.json"), load("latency.json"), load("throughput.json")
+k, l, t, m = load("kernels.json"), load("latency.json"), load("throughput.json"), load("moe.json")
 if k:
     for c in k["paged_decode_attention"]:
         rows.append((f"paged decode attn b={c['batch']} ctx={c['context']}", f"{c['seconds']*1e6:.0f} us",
@@ -75,6 +75,12 @@ if t:
         rows.append((f"transformers {key}", f"{r['output_tokens_per_s']:.0f} tok/s" if "output_tokens_per_s" in r else r.get("error", "-")[:60], ""))
     c = t["ceilings"]
     rows.append(("ceilings", f"{c['copy_bandwidth_bytes_per_s']/1e12:.2f} TB/s copy", f"{c['bf16_matmul_flops_per_s']/1e12:.0f} TFLOP/s bf16"))
+if m:
+    for c in m["moe_layer"]:
+        rows.append((f"MoE layer {c['tokens']} tokens, fused", f"{c['fused_seconds']*1e6:.0f} us",
+                     f"x{c['speedup']:.1f} vs loop, {c['fused_percent_of_floor']:.0f}% SOL"))
+    for name, r in m["engine"]["runs"].items():
+        rows.append((f"MoE 4-layer throughput, {name}", f"{r['output_tokens_per_s']:.0f} tok/s", ""))
 print("\n=== GPU check summary ===")
 for r in rows:
     print(f"{r[0]:<40} {r[1]:>22} {r[2]:>22}")

@@ -3,10 +3,11 @@
 - the shard rules (rows, KV heads, vocabulary) and the sharded layers in one process
   (``as_rank`` builds rank r's layer): the ranks' partial results add up to the full matmul;
 - the same layers in 2 real processes with real all-reduces and all-gathers;
-- every dense family's logits at tensor_parallel_size=2 against 1 (also with fewer KV heads
-  than ranks, and a vocabulary that does not divide);
-- the engine: LLM(tensor_parallel_size=2) gives the greedy tokens of LLM() (and their
-  log-probs), bad sizes are refused before any process starts, shutdown leaves nothing.
+- every family's logits at tensor_parallel_size=2 against 1 (also with fewer KV heads
+  than ranks, a vocabulary that does not divide, and Qwen3-MoE's experts);
+- the engine, dense and MoE: LLM(tensor_parallel_size=2) gives the greedy tokens of LLM()
+  (and their log-probs), bad sizes are refused before any process starts, shutdown leaves
+  nothing.
 
 Tolerance: the split matmuls add the same float32 products in another order (the
 all-reduce sums two partial dot products), a few ulps on O(1) values: 1e-5 absolute.
@@ -23,6 +24,7 @@ from minivllm.distributed.parallel_state import all_gather, all_reduce, as_rank
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, masked_embedding
 from minivllm.layers.linear import (ColumnParallelLinear, GateUpLinear, QKVLinear, RowParallelLinear,
                                     kv_head_range, split_rows)
+from minivllm.layers.moe import StackedExperts
 from minivllm.loader import load_model
 from minivllm.testing import make_tiny_checkpoint, torch_threads
 
@@ -123,6 +125,28 @@ def test_vocab_parallel_embedding_and_head(vocab):
     torch.testing.assert_close(torch.cat(logits, dim=-1)[:, :vocab], h @ table.T, atol=ATOL, rtol=0)
 
 
+def test_expert_shards_from_either_checkpoint_layout():
+    """Each rank keeps a slice of every expert's features, whether the checkpoint stores the
+    experts one by one or stacked ([E, 2I, H] gate rows then up rows; [E, H, I])."""
+    E, H, I = 3, 4, 8
+    gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+    for rank in range(2):
+        with as_rank(rank, 2):
+            one_by_one, stacked = StackedExperts(E, H, I), StackedExperts(E, H, I)
+        for e in range(E):
+            one_by_one.weight_loader(one_by_one.gate_up_proj, gate[e], (e, 0))
+            one_by_one.weight_loader(one_by_one.gate_up_proj, up[e], (e, 1))
+            one_by_one.weight_loader(one_by_one.down_proj, down[e], (e, None))
+        stacked.weight_loader(stacked.gate_up_proj, torch.cat([gate, up], dim=1))
+        stacked.weight_loader(stacked.down_proj, down)
+        mine = slice(rank * 4, rank * 4 + 4)
+        for experts in (one_by_one, stacked):
+            assert torch.equal(experts.gate_up_proj, torch.cat([gate[:, mine], up[:, mine]], dim=1))
+            assert torch.equal(experts.down_proj, down[:, :, mine])
+    with pytest.raises(ValueError, match=r"expert 1: expected shape \(4, 8\)"):
+        one_by_one.weight_loader(one_by_one.down_proj, down[1, :, :4], (1, None))
+
+
 def test_collectives_without_a_group():
     x = torch.randn(3)
     assert all_reduce(x) is x and all_gather(x) is x  # world size 1: identity
@@ -160,6 +184,7 @@ CHECKPOINTS = {
     "qwen2-odd-vocab": dict(family="qwen2", vocab_size=509, tie_word_embeddings=False),  # biases; padded vocab
     "llama": dict(family="llama", tie_word_embeddings=False),
     "gemma3": dict(family="gemma3"),
+    "qwen3_moe": dict(family="qwen3_moe"),  # 8 experts, each split by its intermediate features
 }
 
 
@@ -192,9 +217,10 @@ def test_model_logits_match_one_process(checkpoints):
 ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=120, block_size=8, max_num_batched_tokens=64)
 
 
-def test_engine_greedy_matches_one_process(checkpoints):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_engine_greedy_matches_one_process(checkpoints, name):
     """Batched, chunked (budget 64), prefix-cached (shared prefix) and paged: the same tokens."""
-    path = str(checkpoints["qwen3"])
+    path = str(checkpoints[name])
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 512, (24,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (1, 50, 9)]

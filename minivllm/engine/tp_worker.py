@@ -49,6 +49,9 @@ def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> 
     if config.intermediate_size % world_size != 0:
         raise ValueError(f"tensor_parallel_size={world_size} must divide intermediate_size "
                          f"({config.intermediate_size})")
+    if config.num_experts and config.moe_intermediate_size % world_size != 0:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide moe_intermediate_size "
+                         f"({config.moe_intermediate_size})")
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
                          f"this machine has {torch.cuda.device_count()}")

@@ -28,9 +28,11 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
+    # BEGIN SOLUTION ch11 "gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end"
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32 * (1.0 + weight.float())).to(x.dtype)
+    # END SOLUTION
 
 
 class GemmaRMSNorm(nn.Module):

@@ -5,12 +5,14 @@ from minivllm.models.gemma3 import Gemma3ForCausalLM
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.qwen2 import Qwen2ForCausalLM
 from minivllm.models.qwen3 import Qwen3ForCausalLM
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -54,6 +54,7 @@ def sliding_window_attention(
     query of that slice, it sees all of it). Simple and correct; one call per query is slow
     for long prefills, which is acceptable for a reference.
     """
+    # BEGIN SOLUTION ch11 "sliding_window_attention: offset = kv_len - q_len is the first query's position; the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window - offset)) of them) see every key up to their own: one causal_attention call over k[:offset + head]; every later query i (position p = offset + i) is a causal_attention call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p"
     q_len, kv_len = q.shape[0], k.shape[0]
     offset = kv_len - q_len  # position of the first query
     out = torch.empty_like(q)
@@ -65,6 +66,7 @@ def sliding_window_attention(
         window = slice(p - sliding_window + 1, p + 1)
         out[i : i + 1] = causal_attention(q[i : i + 1], k[window], v[window], scale)
     return out
+    # END SOLUTION
 
 
 def store_kvcache(

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
-# Fill in: causal_attention (ch02).
-# Grade: pytest exercises -k ch02
+# Fill in: causal_attention (ch02), sliding_window_attention (ch11).
+# Grade: pytest exercises -k ch02; pytest exercises -k ch11
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Attention ops: the torch reference.
@@ -48,17 +48,7 @@ def sliding_window_attention(
     query of that slice, it sees all of it). Simple and correct; one call per query is slow
     for long prefills, which is acceptable for a reference.
     """
-    q_len, kv_len = q.shape[0], k.shape[0]
-    offset = kv_len - q_len  # position of the first query
-    out = torch.empty_like(q)
-    head = min(q_len, max(0, sliding_window - offset))  # queries at positions < sliding_window
-    if head:
-        out[:head] = causal_attention(q[:head], k[: offset + head], v[: offset + head], scale)
-    for i in range(head, q_len):
-        p = offset + i
-        window = slice(p - sliding_window + 1, p + 1)
-        out[i : i + 1] = causal_attention(q[i : i + 1], k[window], v[window], scale)
-    return out
+    raise NotImplementedError("ch11: sliding_window_attention: offset = kv_len - q_len is the first query's position; the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window - offset)) of them) see every key up to their own: one causal_attention call over k[:offset + head]; every later query i (position p = offset + i) is a causal_attention call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p, see notebooks/11_model_families.ipynb")
 
 
 def store_kvcache(

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: causal_attention (ch02).
+# Reference answers for: causal_attention (ch02), sliding_window_attention (ch11).
 # Do not edit: change minivllm/ops/attention.py and run scripts/make_exercises.py again.
 
 """Attention ops: the torch reference.
