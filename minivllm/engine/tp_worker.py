@@ -74,7 +74,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, steps, report
         runner = ModelRunner(config)
         while (message := steps.get()) is not None:
             step, rows_to_sample = message
-            runner.execute(step, rows_to_sample)
+            runner.execute(*runner.upload(step), rows_to_sample)
     except BaseException:
         reports.put(("error", rank, traceback.format_exc()))
         raise
@@ -116,6 +116,7 @@ class TensorParallelRunner(ModelRunner):
             worker.start()
         # Runs on shutdown(), when the runner is garbage-collected, or at exit: whichever is first.
         self._stop = weakref.finalize(self, _stop, self.workers, self.steps)
+        self.rows_to_sample: list[int] = []
         try:
             self._wait_until_started()
             init_tensor_parallel(0, world_size, init_method, backend_for(config.device), TIMEOUT_S)
@@ -124,13 +125,20 @@ class TensorParallelRunner(ModelRunner):
             self.shutdown()
             raise RuntimeError(f"tensor-parallel start-up failed{self._worker_errors()}") from e
 
-    def execute(self, step: StepInputs, rows_to_sample: list[int]) -> torch.Tensor | None:
+    def run(self, batch, rows_to_sample: list[int], params, generators, banned):
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {dead} are not running{self._worker_errors()}")
+        # The workers must know whether this step computes logits: the LM head's all-gather
+        # is a collective, so either every rank calls it or none does.
+        self.rows_to_sample = rows_to_sample
+        return super().run(batch, rows_to_sample, params, generators, banned)
+
+    def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send the flattened step to every worker, then upload it here too."""
         for queue in self.steps:
-            queue.put((step, rows_to_sample))
-        return super().execute(step, rows_to_sample)
+            queue.put((step, self.rows_to_sample))
+        return super().upload(step)
 
     def shutdown(self) -> None:
         self._stop()

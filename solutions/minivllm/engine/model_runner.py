@@ -32,8 +32,8 @@ from minivllm.loader import load_model
 class StepInputs:
     """One step's inputs, still on the host: the flat int64 array ``prepare`` builds (input
     ids, positions, slots, context lengths, cumulative lengths, block tables) and the sizes
-    that say how to slice it. All that running the model on the step needs, and small: it
-    is what rank 0 sends the other ranks under tensor parallelism (chapter 16)."""
+    that say how to slice it (``upload``). All that running the model on the step needs,
+    and small: it is what rank 0 sends the other ranks under tensor parallelism (chapter 16)."""
 
     host: np.ndarray
     num_tokens: int
@@ -129,9 +129,8 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Flatten the batch into one host array: input ids, positions and the attention
-        metadata (``upload`` sends it to the device and sets the step's Context)."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flatten the batch into input ids and positions, and set the step's Context."""
         input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -151,11 +150,11 @@ class ModelRunner:
         tables = host[3 * num_tokens + 2 * num_seqs + 1 :][: num_seqs * width].reshape(num_seqs, width)
         for row, seq in zip(tables, batch.seqs):
             row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
-        return StepInputs(host, num_tokens, num_seqs, width, is_prefill=any(n > 1 for n in batch.num_new_tokens),
-                          max_seqlen_q=max(batch.num_new_tokens), max_context_len=max(context_lens))
+        return self.upload(StepInputs(host, num_tokens, num_seqs, width, any(n > 1 for n in batch.num_new_tokens),
+                                      max(batch.num_new_tokens), max(context_lens)))
 
     def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy a prepared step to the device, set its Context; return input ids and positions."""
+        """Copy a flattened step to the device and set its Context; return input ids and positions."""
         dev = self._to_device(step.host)
         t, s = step.num_tokens, step.num_seqs
         set_context(
@@ -178,19 +177,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned) -> SamplerOutput | None:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``."""
-        logits = self.execute(self.prepare(batch), rows_to_sample)
+        input_ids, positions = self.prepare(batch)
+        logits = self.execute(input_ids, positions, rows_to_sample)
         if logits is None:
             return None
         return self.sampler(logits, params, generators, banned)
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs, rows_to_sample: list[int]) -> torch.Tensor | None:
-        """Run the model on a prepared step; return the logits of ``rows_to_sample`` (None
-        when there are none). Under tensor parallelism every rank runs this on the same step."""
-        input_ids, positions = self.upload(step)
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, rows_to_sample: list[int]) -> torch.Tensor | None:
+        """Run the model on an uploaded step (its Context set); return the logits of
+        ``rows_to_sample``, None when there are none. Under tensor parallelism every rank
+        runs this on the same step."""
         try:
             ctx = get_context()
-            if not ctx.is_prefill and self.graphs and step.num_seqs <= self.graph_sizes[-1]:
+            # (A decode step has one token per sequence: tokens = sequences.)
+            if not ctx.is_prefill and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
                 hidden = self._replay(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
