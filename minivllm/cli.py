@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     add_engine_args(serve)
 
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta: a CUDA GPU; serving: any)")
-    bench.add_argument("which", choices=["throughput", "latency", "kernels", "moe", "gated-delta", "serving"])
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
+    bench.add_argument("which", choices=["throughput", "latency", "kernels", "moe", "gated-delta", "serving", "tp"])
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
             if args.num_requests:
                 options["num_requests"] = args.num_requests
             report = run(args.out, **options)
+        elif args.which == "tp":
+            from minivllm.bench.tensor_parallel import main as run
+
+            report = run(args.out)
         else:
             from minivllm.bench.kernels import main as run
 

@@ -179,9 +179,10 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     record_trace: bool = False  # keep a per-step trace (who ran, blocks in use, hits, preemptions)
+    tensor_parallel_size: int = 1  # processes (GPUs) that split every layer's weights (chapter 16)
 
     def __post_init__(self):
-        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size")
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
         if self.num_kv_blocks is not None:
             _positive(self, "num_kv_blocks")
         if self.max_model_len is not None:

@@ -175,3 +175,7 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (also done at exit)."""
+        self.engine.shutdown()

@@ -21,15 +21,21 @@ declare -A status
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
 
+# Tensor parallelism (chapter 16) needs two GPUs: its GPU test and benchmark run only then.
+# NVLink multicast (NVLS) stays off: not every host's fabric allows it.
+multi_gpu=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo yes || echo no)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests \
     2>&1 | tee "$OUT/tests.log"
   status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
 fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  for which in ${BENCHES:-kernels latency throughput moe gated-delta serving}; do
+  benches="${BENCHES:-kernels latency throughput moe gated-delta serving} $([ $multi_gpu = yes ] && echo tp)"
+  for which in $benches; do
     python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null

@@ -61,7 +61,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            # One process per rank; this one is rank 0 and drives the others (chapter 16).
+            from minivllm.engine.tp_worker import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         model_config = self.runner.model_config
         if self.runner.num_state_slots:
             # Hybrid model: a state slot per sequence besides its blocks; no prefix caching
@@ -125,6 +131,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any. The engine is unusable after."""
+        self.runner.shutdown()
 
     # -- the step ----------------------------------------------------------------------
 

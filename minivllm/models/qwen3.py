@@ -11,7 +11,7 @@ from minivllm.config import ModelConfig
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
-from minivllm.layers.linear import GateUpLinear, Linear, QKVLinear
+from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.ops.dispatch import use_triton
@@ -20,15 +20,19 @@ from minivllm.ops.dispatch import use_triton
 class Qwen3Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        # The heads this rank computes: all of them in one process, a share of them under
+        # tensor parallelism (chapter 16).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             # Normalising each head's query and key keeps attention logits in range.
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -72,7 +76,7 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

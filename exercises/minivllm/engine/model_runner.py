@@ -15,11 +15,14 @@ num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU
 of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a warm-up
 forward pass has shown the activations' peak; on the CPU it comes from a configured size.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.context import get_context, reset_context, set_context
+from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.state_pool import allocate_state_pools, state_layers, state_metadata
 from minivllm.generate import attention_layers
@@ -27,11 +30,32 @@ from minivllm.layers.sampler import Sampler, SamplerOutput
 from minivllm.loader import load_model
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs, still on the host: the flat int64 array ``prepare`` builds (input
+    ids, positions, slots, context lengths, cumulative lengths, block tables) and the sizes
+    that say how to slice it (``upload``). All that running the model on the step needs,
+    and small: it is what rank 0 sends the other ranks under tensor parallelism (chapter 16)."""
+
+    host: np.ndarray
+    num_tokens: int
+    num_seqs: int
+    width: int  # block-table columns
+    is_prefill: bool
+    max_seqlen_q: int
+    max_context_len: int
+
+
 WARMUP_MAX_SEQ_LEN = 1024
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
+        if get_tp_world_size() != config.tensor_parallel_size:
+            raise RuntimeError(
+                f"this process belongs to a tensor-parallel group of {get_tp_world_size()}, but the "
+                f"engine asks for tensor_parallel_size={config.tensor_parallel_size}: shut the other engine down first"
+            )
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -68,6 +92,7 @@ class ModelRunner:
             num_blocks = self._blocks_that_fit_on_gpu()
         else:
             num_blocks = int(config.cpu_kv_cache_space * 2**30) // self.block_bytes
+        num_blocks = min_over_ranks(num_blocks)  # tensor parallelism: every rank's pool the same size
         if num_blocks < 1:
             gib = {k: round(v / 2**30, 2) if k != "gpu_memory_utilization" else v
                    for k, v in getattr(self, "memory_budget", {}).items()}
@@ -139,16 +164,21 @@ class ModelRunner:
         tables = host[3 * num_tokens + 2 * num_seqs + 1 :][: num_seqs * width].reshape(num_seqs, width)
         for row, seq in zip(tables, batch.seqs):
             row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
-        dev = self._to_device(host)
-        t, s = num_tokens, num_seqs
+        return self.upload(StepInputs(host, num_tokens, num_seqs, width, any(n > 1 for n in batch.num_new_tokens),
+                                      max(batch.num_new_tokens), max(context_lens)))
+
+    def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a flattened step to the device and set its Context; return input ids and positions."""
+        dev = self._to_device(step.host)
+        t, s = step.num_tokens, step.num_seqs
         set_context(
-            is_prefill=any(n > 1 for n in batch.num_new_tokens),
+            is_prefill=step.is_prefill,
             cu_seqlens_q=dev[3 * t + s : 3 * t + 2 * s + 1],
             slot_mapping=dev[2 * t : 3 * t],
             context_lens=dev[3 * t : 3 * t + s],
-            block_tables=dev[3 * t + 2 * s + 1 :].view(s, width),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
+            block_tables=dev[3 * t + 2 * s + 1 :].view(s, step.width),
+            max_seqlen_q=step.max_seqlen_q,
+            max_context_len=step.max_context_len,
         )
         if self.state_layers:
             ctx = get_context()
@@ -165,9 +195,20 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned) -> SamplerOutput | None:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``."""
         input_ids, positions = self.prepare(batch)
+        logits = self.execute(input_ids, positions, rows_to_sample)
+        if logits is None:
+            return None
+        return self.sampler(logits, params, generators, banned)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, rows_to_sample: list[int]) -> torch.Tensor | None:
+        """Run the model on an uploaded step (its Context set); return the logits of
+        ``rows_to_sample``, None when there are none. Under tensor parallelism every rank
+        runs this on the same step."""
         try:
             ctx = get_context()
-            if not ctx.is_prefill and self.graphs and len(batch) <= self.graph_sizes[-1]:
+            # (A decode step has one token per sequence: tokens = sequences.)
+            if not ctx.is_prefill and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
                 hidden = self._replay(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
@@ -178,7 +219,10 @@ class ModelRunner:
                 logits = logits[torch.tensor(rows_to_sample, device=logits.device)]
         finally:
             reset_context()
-        return self.sampler(logits, params, generators, banned)
+        return logits
+
+    def shutdown(self) -> None:
+        """Nothing to stop in a single process (a tensor-parallel runner stops its workers)."""
 
     # -- CUDA graphs for decode ----------------------------------------------------------
 

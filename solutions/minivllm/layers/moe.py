@@ -14,11 +14,19 @@ kernel can reach all of them: ``gate_up_proj`` [E, 2I, H] (gate rows, then up ro
 ``down_proj`` [E, H, I]. Checkpoints store them either like that (transformers' fused
 layout) or as one tensor per expert and projection (the hub's layout,
 ``experts.{e}.gate_proj.weight``); the parameters' ``weight_loader`` takes both.
+
+Tensor parallelism (chapter 16): every rank holds every expert, each with a slice of its
+intermediate features, split like a dense MLP (gate and up by rows, down by columns), and
+the block's output is all-reduced. The other way, whole experts per rank (expert
+parallelism), leaves a rank idle when the router sends few tokens to its experts; a slice
+of every expert keeps the ranks' work equal whatever the routing, and the router and the
+fused kernel stay the same.
 """
 import torch
 from torch import nn
 
-from minivllm.layers.linear import Linear, default_weight_loader
+from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
+from minivllm.layers.linear import Linear, split_rows
 from minivllm.ops.moe import fused_experts
 
 
@@ -37,11 +45,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class StackedExperts(nn.Module):
-    """Every expert's gate/up and down matrices, stacked along a leading expert dim."""
+    """Every expert's gate/up and down matrices, stacked along a leading expert dim; under
+    tensor parallelism, this rank's slice of each expert's intermediate features."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.full_intermediate_size = intermediate_size
+        # This rank's features [start, start + intermediate_size) of every expert.
+        self.start, intermediate_size = split_rows(intermediate_size, get_tp_rank(), get_tp_world_size())
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -53,19 +66,30 @@ class StackedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """shard_id None: the whole stack at once. (expert, part): one expert's matrix, where
-        part 0 / 1 is its gate / up half of ``gate_up_proj`` and None its ``down_proj``."""
+        part 0 / 1 is its gate / up half of ``gate_up_proj`` and None its ``down_proj``.
+        Either way, this rank keeps its slice of the intermediate features."""
+        E, H, I, n = self.num_experts, self.hidden_size, self.full_intermediate_size, self.intermediate_size
+        is_down = param is self.down_proj
         if shard_id is None:
-            default_weight_loader(param, loaded_weight)
+            expected = (E, H, I) if is_down else (E, 2 * I, H)
+            if tuple(loaded_weight.shape) != expected:
+                raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
+            if is_down:
+                param.data.copy_(loaded_weight.narrow(2, self.start, n))
+            else:  # [gate | up] rows: this rank's slice of each half
+                param.data[:, :n].copy_(loaded_weight.narrow(1, self.start, n))
+                param.data[:, n:].copy_(loaded_weight.narrow(1, I + self.start, n))
             return
         expert, part = shard_id
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} out of range: this layer has {self.num_experts} experts")
-        target = param.data[expert]
-        if part is not None:
-            target = target.narrow(0, part * self.intermediate_size, self.intermediate_size)
-        if target.shape != loaded_weight.shape:
-            raise ValueError(f"expert {expert}: expected shape {tuple(target.shape)}, got {tuple(loaded_weight.shape)}")
-        target.copy_(loaded_weight)
+        if not 0 <= expert < E:
+            raise ValueError(f"expert {expert} out of range: this layer has {E} experts")
+        expected = (H, I) if part is None else (I, H)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"expert {expert}: expected shape {expected}, got {tuple(loaded_weight.shape)}")
+        if part is None:
+            param.data[expert].copy_(loaded_weight.narrow(1, self.start, n))
+        else:
+            param.data[expert].narrow(0, part * n, n).copy_(loaded_weight.narrow(0, self.start, n))
 
 
 class SparseMoeBlock(nn.Module):
@@ -82,4 +106,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        # Each rank summed its slice of every expert's features: add the slices up.
+        return all_reduce(out)

@@ -25,7 +25,7 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
-from minivllm.layers.linear import GateUpLinear, Linear, QKVLinear
+from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -63,22 +63,28 @@ class ScaledVocabEmbedding(VocabEmbedding):
         self.scale = hidden_size**0.5
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
-        return F.embedding(input_ids, self.weight) * scale.to(self.weight.device)
+        # Rounded on the host to the weights' dtype, then used as a Python number: no
+        # host-to-device copy, so the step can be captured in a CUDA graph.
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype).item()
+        return super().forward(input_ids) * scale
 
 
 class Gemma3Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        # The heads this rank computes: all of them in one process, a share of them under
+        # tensor parallelism (chapter 16).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         layer_types = config.layer_types or ["full_attention"] * config.num_hidden_layers
@@ -113,7 +119,7 @@ class Gemma3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
         self.act_fn = GeluTanhAndMul()
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

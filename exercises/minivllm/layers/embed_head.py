@@ -1,0 +1,98 @@
+# Exercise copy of minivllm/layers/embed_head.py, generated from it by scripts/make_exercises.py.
+# Fill in: masked_embedding (ch16).
+# Grade: pytest exercises -k ch16
+# Running the generator again overwrites this file: commit or copy your work first.
+
+"""Token embedding and the language-model head, split by vocabulary under tensor parallelism.
+
+Each rank keeps a contiguous slice of the vocabulary's rows (rank r: rows
+[r * n, (r + 1) * n), n = vocab_size / world_size rounded up; the last slice is padded with
+zero rows when the vocabulary does not divide). The embedding looks up only the tokens in
+its slice, zeros for the others, and an all-reduce adds the one real row to the zeros. The
+head scores only its slice of the vocabulary, and an all-gather puts the slices side by
+side. At world size 1 the slice is the whole vocabulary.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.context import get_context
+from minivllm.distributed.parallel_state import all_gather, all_reduce, get_tp_rank, get_tp_world_size
+
+
+def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """Look up the ids that fall in this rank's rows [vocab_start, vocab_start + len(weight));
+    every other id gets a zero vector (another rank holds its row)."""
+    raise NotImplementedError("ch16: masked_embedding: local = input_ids - vocab_start; outside = local < 0 or local >= weight.shape[0]; look up F.embedding(local with the outside ids replaced by 0, weight), then zero the rows of the outside ids, see notebooks/16_tensor_parallelism.ipynb")
+
+
+def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first row, rows per rank) of the vocabulary that ``rank`` keeps; the last rank's
+    slice runs past the vocabulary when it does not divide (padding rows)."""
+    rows_per_rank = -(-vocab_size // world_size)  # rounded up
+    return rank * rows_per_rank, rows_per_rank
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.tp_size = get_tp_world_size()
+        self.vocab_start, self.rows_per_rank = vocab_slice(vocab_size, get_tp_rank(), self.tp_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Keep this rank's rows of the full [vocab_size, hidden_size] matrix; zero the padding."""
+        expected = (self.vocab_size, self.hidden_size)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
+        rows = loaded_weight[self.vocab_start : self.vocab_start + self.rows_per_rank]
+        param.data[: len(rows)].copy_(rows)
+        param.data[len(rows) :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        return all_reduce(masked_embedding(input_ids, self.weight, self.vocab_start))
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits.
+
+    With tied embeddings the head reuses the embedding matrix (``tie_to``): one tensor,
+    two uses, and the checkpoint stores it once. Split by vocabulary the same way, so a
+    tied head reuses this rank's embedding rows.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.tp_size = get_tp_world_size()
+        self.vocab_start, self.rows_per_rank = vocab_slice(vocab_size, get_tp_rank(), self.tp_size)
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+            self.weight.weight_loader = self.weight_loader
+
+    # The same rows of the same kind of matrix as the embedding's.
+    weight_loader = VocabEmbedding.weight_loader
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        # Each rank scored its slice of the vocabulary: side by side, without the padding.
+        return all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+
+def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:
+    """Only each sequence's last token predicts the next one: keep those rows.
+    (In a pure decode step every row already is one.)"""
+    ctx = get_context()
+    if ctx.cu_seqlens_q is None:
+        return hidden_states[-1:]
+    if not ctx.is_prefill:
+        return hidden_states
+    return hidden_states[ctx.cu_seqlens_q[1:].long() - 1]

@@ -1,0 +1,179 @@
+"""Tensor parallelism across processes: rank 0 runs the engine, the other ranks run the model.
+
+One process per rank, started with ``torch.multiprocessing`` (spawn). This process is
+rank 0: it holds the scheduler, the block manager and the sampler, exactly as in a single
+process. Each step it prepares the batch as usual (``ModelRunner.prepare``: one small host
+array, ``StepInputs``), puts it in every worker's queue, and runs its own share of the
+forward pass. Each worker loops: take a step from its queue, run the model on it
+(``ModelRunner.execute``), throw the logits away. The workers' all-reduces meet rank 0's
+inside the forward pass, so the ranks stay in lockstep without any other synchronisation.
+Only rank 0 samples, so seeds and generators live in one place.
+
+Why a queue and not a broadcast over the process group: a worker waiting for the next step
+blocks in ``queue.get``, which may wait for hours between requests, where a collective
+would time out. The message is the step's metadata, a few integers per token and per
+sequence, never the sequences' whole histories.
+
+Shutdown: rank 0 sends ``None``; each worker leaves the group and exits. The workers are
+daemon processes, so they also end with rank 0.
+"""
+import socket
+import time
+import traceback
+import weakref
+from queue import Empty
+
+import torch
+import torch.multiprocessing as mp
+
+from minivllm.config import EngineConfig, ModelConfig
+from minivllm.distributed.parallel_state import backend_for, destroy_tensor_parallel, init_tensor_parallel
+from minivllm.engine.model_runner import ModelRunner, StepInputs
+
+# How long any rank waits for the others: to start (spawn, imports, loading weights) and
+# in any one collective.
+TIMEOUT_S = 300.0
+# How long shutdown waits for a worker to exit before killing it.
+JOIN_TIMEOUT_S = 30.0
+
+
+def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> None:
+    """Refuse, before any process starts, a model that does not split over ``world_size`` ranks."""
+    if config.num_attention_heads % world_size != 0:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide num_attention_heads "
+                         f"({config.num_attention_heads})")
+    kv = config.num_key_value_heads
+    if kv % world_size != 0 and world_size % kv != 0:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide num_key_value_heads ({kv}) or be a "
+                         "multiple of it")
+    if config.intermediate_size % world_size != 0:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide intermediate_size "
+                         f"({config.intermediate_size})")
+    if config.num_experts and config.moe_intermediate_size % world_size != 0:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide moe_intermediate_size "
+                         f"({config.moe_intermediate_size})")
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
+                         f"this machine has {torch.cuda.device_count()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, steps, reports, num_threads: int) -> None:
+    """A worker rank: join the group, load this rank's shards, run every step rank 0 sends."""
+    reports.put(("started", rank, ""))
+    try:
+        torch.set_num_threads(num_threads)  # as many CPU threads as rank 0 uses
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(rank)  # "cuda" in this process now means GPU number `rank`
+        init_tensor_parallel(rank, config.tensor_parallel_size, init_method, backend_for(config.device), TIMEOUT_S)
+        runner = ModelRunner(config)
+        while (message := steps.get()) is not None:
+            step, rows_to_sample = message
+            runner.execute(*runner.upload(step), rows_to_sample)
+    except BaseException:
+        reports.put(("error", rank, traceback.format_exc()))
+        raise
+    finally:
+        destroy_tensor_parallel()
+
+
+def _stop(workers: list, steps: list) -> None:
+    """Ask every worker to exit, wait for it (killing it after JOIN_TIMEOUT_S), and leave the
+    group. A module function, not a method, so the finalizer holds no reference to the runner."""
+    for queue, worker in zip(steps, workers):
+        if worker.is_alive():
+            queue.put(None)
+    for worker in workers:
+        worker.join(JOIN_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    destroy_tensor_parallel()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: a ModelRunner over this rank's shards that first sends each
+    step to the worker ranks."""
+
+    def __init__(self, config: EngineConfig):
+        world_size = config.tensor_parallel_size
+        check_tensor_parallel(ModelConfig.from_pretrained(config.model), world_size, config.device)
+        spawn = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.reports = spawn.Queue()  # ("started" | "error", rank, traceback)
+        self.steps = [spawn.Queue() for _ in range(1, world_size)]
+        self.workers = [
+            spawn.Process(target=worker_main, name=f"minivllm-tp-rank{rank}", daemon=True,
+                          args=(rank, config, init_method, queue, self.reports, torch.get_num_threads()))
+            for rank, queue in zip(range(1, world_size), self.steps)
+        ]
+        for worker in self.workers:
+            worker.start()
+        # Runs on shutdown(), when the runner is garbage-collected, or at exit: whichever is first.
+        self._stop = weakref.finalize(self, _stop, self.workers, self.steps)
+        self.rows_to_sample: list[int] = []
+        try:
+            self._wait_until_started()
+            init_tensor_parallel(0, world_size, init_method, backend_for(config.device), TIMEOUT_S)
+            super().__init__(config)
+        except BaseException as e:
+            self.shutdown()
+            raise RuntimeError(f"tensor-parallel start-up failed{self._worker_errors()}") from e
+
+    def run(self, batch, rows_to_sample: list[int], params, generators, banned):
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) {dead} are not running{self._worker_errors()}")
+        # The workers must know whether this step computes logits: the LM head's all-gather
+        # is a collective, so either every rank calls it or none does.
+        self.rows_to_sample = rows_to_sample
+        return super().run(batch, rows_to_sample, params, generators, banned)
+
+    def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send the flattened step to every worker, then upload it here too."""
+        for queue in self.steps:
+            queue.put((step, self.rows_to_sample))
+        return super().upload(step)
+
+    def shutdown(self) -> None:
+        self._stop()
+
+    def _wait_until_started(self) -> None:
+        """Wait until every worker runs worker_main, so that a worker that cannot even start
+        fails here at once instead of leaving rank 0 waiting for it in the group."""
+        started: set[int] = set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(started) < len(self.workers):
+            try:
+                kind, rank, text = self.reports.get(timeout=0.2)
+            except Empty:
+                dead = [w for w in self.workers if w.exitcode is not None]
+                if dead:
+                    raise RuntimeError(
+                        f"worker {dead[0].name} exited with code {dead[0].exitcode} before starting (workers are "
+                        "spawned: a script that builds a tensor-parallel LLM must do so under "
+                        "`if __name__ == '__main__':`)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the workers did not start within {TIMEOUT_S:.0f} s") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"worker rank {rank} failed:\n{text}")
+            started.add(rank)
+
+    def _worker_errors(self) -> str:
+        """What the workers reported before they died, for an error message."""
+        errors = []
+        while True:
+            try:
+                kind, rank, text = self.reports.get(timeout=1.0)
+            except Empty:  # nothing more was reported
+                break
+            if kind == "error":
+                errors.append(f"\n--- worker rank {rank}:\n{text}")
+        return "".join(errors)
