@@ -255,6 +255,13 @@ def test_bad_sizes_are_refused_before_any_process_starts(checkpoints):
     assert parallel_state.get_tp_world_size() == 1
 
 
+def test_hybrid_models_are_refused(tmp_path):
+    path = str(make_tiny_checkpoint(tmp_path / "qwen3_5", family="qwen3_5"))
+    with pytest.raises(ValueError, match="hybrid models .* run on one device only"):
+        LLM(path, tensor_parallel_size=2, **ENGINE_ARGS)
+    assert parallel_state.get_tp_world_size() == 1
+
+
 @pytest.mark.gpu
 def test_bf16_tensor_parallel_matches_one_gpu(tmp_path):
     """Two GPUs, NCCL, bfloat16: greedy tokens of tp=2 against tp=1 on a random model with

@@ -39,6 +39,9 @@ JOIN_TIMEOUT_S = 30.0
 
 def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> None:
     """Refuse, before any process starts, a model that does not split over ``world_size`` ranks."""
+    if "linear_attention" in (config.hf_config.get("layer_types") or []):
+        raise ValueError(f"tensor_parallel_size={world_size}: hybrid models (Gated DeltaNet layers, {config.model_type}) "
+                         "run on one device only; tensor parallelism covers qwen3, qwen2, llama, gemma3 and qwen3_moe")
     if config.num_attention_heads % world_size != 0:
         raise ValueError(f"tensor_parallel_size={world_size} must divide num_attention_heads "
                          f"({config.num_attention_heads})")

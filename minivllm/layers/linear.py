@@ -176,6 +176,12 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def unsplit(sizes: dict) -> dict:
+    """PackedLinear shards that keep every row, for a layer that tensor parallelism does
+    not split: {shard id: rows} -> {shard id: (rows, (0, rows))}."""
+    return {shard_id: (rows, (0, rows)) for shard_id, rows in sizes.items()}
+
+
 class QKVLinear(PackedLinear):
     """The query, key and value projections in one matrix: [q rows | k rows | v rows] of
     this rank's heads. ``num_heads`` and ``num_kv_heads`` are the heads this rank keeps."""

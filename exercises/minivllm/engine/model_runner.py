@@ -164,8 +164,13 @@ class ModelRunner:
         tables = host[3 * num_tokens + 2 * num_seqs + 1 :][: num_seqs * width].reshape(num_seqs, width)
         for row, seq in zip(tables, batch.seqs):
             row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
-        return self.upload(StepInputs(host, num_tokens, num_seqs, width, any(n > 1 for n in batch.num_new_tokens),
-                                      max(batch.num_new_tokens), max(context_lens)))
+        input_ids, positions = self.upload(StepInputs(host, num_tokens, num_seqs, width,
+                                                      any(n > 1 for n in batch.num_new_tokens),
+                                                      max(batch.num_new_tokens), max(context_lens)))
+        if self.state_layers:  # hybrid models (one device only): each row's state slot
+            ctx = get_context()
+            ctx.state_slots, ctx.has_initial_state = self._to_device(state_metadata(batch.seqs))
+        return input_ids, positions
 
     def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a flattened step to the device and set its Context; return input ids and positions."""
@@ -180,9 +185,6 @@ class ModelRunner:
             max_seqlen_q=step.max_seqlen_q,
             max_context_len=step.max_context_len,
         )
-        if self.state_layers:
-            ctx = get_context()
-            ctx.state_slots, ctx.has_initial_state = self._to_device(state_metadata(batch.seqs))
         return dev[:t], dev[t : 2 * t]
 
     def _to_device(self, host: np.ndarray) -> torch.Tensor:
