@@ -2,11 +2,12 @@
 # The GPU check: GPU tests, every notebook under nbval on CUDA (executed copies saved so the
 # book shows GPU outputs), and the benchmarks; prints one summary table last.
 #
-# Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack is
-# missing, carry wheels from ../shared/device/wheels.sh in .whl/: they
-# are installed to /tmp/site first. Results land in $OUT (default: .out/gpu) and in
-# benchmarks/.
+# Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack or
+# the server stack is missing, put their wheels (nbval, ipykernel, fastapi, uvicorn, openai
+# and dependencies) in .whl/: they are installed to /tmp/site first. Results land in $OUT
+# (default: .out/gpu) and in benchmarks/.
 #   bash scripts/gpu_check.sh [tests] [notebooks] [bench]   (default: all three)
+#   BENCHES="moe latency" bash scripts/gpu_check.sh bench    (a subset of the benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out/gpu}
