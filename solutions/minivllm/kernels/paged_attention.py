@@ -33,7 +33,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    num_splits, window,
+    PARTITION, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -41,14 +41,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
-    # Each split takes an equal share of *this* sequence's context, in whole BLOCK_N tiles:
-    # short contexts spread over the splits too (under a CUDA graph the launch is sized
-    # for max_model_len, but a 150-token context still gets three programs, not one).
-    # A sliding window (window > 0) hides every key before context_len - window.
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, context_len)
+    # A sliding window (window > 0) hides every key before context_len - window: skip the
+    # whole tiles before it (start stays a multiple of BLOCK_N) and mask the rest.
     first = tl.maximum(tl.where(window > 0, context_len - window, 0), 0)
-    partition = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
-    start = first + split * partition
-    end = tl.minimum(start + partition, context_len)
+    start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
@@ -60,7 +58,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
+        valid = (n < end) & (n >= first)
         block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
         row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -113,9 +111,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """Enough splits that the GPU gets about two programs per multiprocessor, but no split
-    shorter than 64 tokens (one tile: below that the merge costs more than it gains)."""
+    shorter than 256 tokens (below that the merge costs more than it gains)."""
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_context_len, 64)))
+    return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
 
 def paged_decode_attention(
@@ -144,6 +142,7 @@ def paged_decode_attention(
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
     block_n = 64 if head_dim <= 128 else 32
+    partition = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -152,7 +151,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        num_splits, sliding_window or 0,
+        partition, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
     )
