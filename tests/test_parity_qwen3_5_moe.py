@@ -96,14 +96,14 @@ def test_weights_land_where_transformers_has_them(checkpoint, hf):
 
 def test_moe_block_matches_transformers(checkpoint, hf):
     """One layer's feed-forward alone: routed experts plus the gated shared expert. The
-    shared expert matters: without it the output is far off."""
+    shared expert's gate is read: zeroing it (sigmoid(0) = 1/2 for every token) moves the output."""
     ours = load_model(checkpoint)
     x = torch.randn(33, 64)
     with torch.no_grad():
         ref = hf.model.layers[1].mlp(x[None])[0]
         out = ours.model.layers[1].mlp(x)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        ours.model.layers[1].mlp.shared_expert_gate.weight.zero_()  # sigmoid(0) = 1/2: half the shared part
+        ours.model.layers[1].mlp.shared_expert_gate.weight.zero_()
         assert (ours.model.layers[1].mlp(x) - ref).abs().max() > 1e-2
 
 
