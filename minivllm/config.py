@@ -3,6 +3,11 @@
 A config.json is not always the whole truth. Some checkpoints carry attention biases that
 the config does not mention, or q/k norms under a family name that never had them. So we
 read the tensor names in the safetensors headers (no weights loaded) and let them decide.
+
+Vision-language checkpoints of a family we run as text (Qwen3.5's, all of them on the hub)
+nest the text model's settings under ``text_config`` and its tensors under
+``model.language_model.``: we flatten the config to the text model's (``text_part``) and
+the loader renames the tensors (``text_tensor_name``).
 """
 import json
 from dataclasses import dataclass, field
@@ -11,6 +16,49 @@ from pathlib import Path
 import torch
 
 from minivllm.safetensors_index import tensor_names
+
+
+# Vision-language architectures whose text model we run alone -> that text model's class.
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+# Where such a checkpoint keeps the text model's tensors, and where our model keeps them.
+LANGUAGE_MODEL_PREFIX, TEXT_PREFIX = "model.language_model.", "model."
+# Parts of such a checkpoint that the text model does not use, skipped on purpose: the
+# vision tower (and its merger into the text model's width), and the multi-token-
+# prediction head (extra layers that draft tokens for speculative decoding).
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+
+def text_part(hf: dict) -> tuple[dict, bool]:
+    """A vision-language config.json flattened to its text model's (and True), or ``hf``
+    unchanged (and False). The top level says how weights are stored (tied embeddings,
+    dtype): that wins over the nested text_config's defaults."""
+    architectures = hf.get("architectures") or []
+    if not architectures or architectures[0] not in TEXT_MODEL_OF:
+        return hf, False
+    if not isinstance(hf.get("text_config"), dict):
+        raise ValueError(f"{architectures[0]} config.json has no 'text_config' to load the text model from")
+    flat = dict(hf["text_config"])
+    flat["architectures"] = [TEXT_MODEL_OF[architectures[0]]]
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
+        if key in hf:
+            flat[key] = hf[key]
+    if flat.get("eos_token_id") is None and hf.get("eos_token_id") is not None:
+        flat["eos_token_id"] = hf["eos_token_id"]
+    return flat, True
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as the text model calls it, or None for
+    a part skipped on purpose (SKIPPED_PREFIXES). Anything else keeps its name, so the
+    loader still rejects what has no place in the model."""
+    if name.startswith(LANGUAGE_MODEL_PREFIX):
+        return TEXT_PREFIX + name[len(LANGUAGE_MODEL_PREFIX):]
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    return name
 
 
 @dataclass
@@ -46,6 +94,8 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
     decoder_sparse_step: int = 1  # every step-th layer is sparse ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which stay dense
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: a gated expert every token goes through
+    vision_language: bool = False  # the text part of a vision-language checkpoint (see text_part)
     torch_dtype: torch.dtype = torch.float32
     eos_token_id: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -84,11 +134,15 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"no config.json in {path}")
         config = cls.from_dict(json.loads(config_file.read_text()))
-        config.detect_from_weights(tensor_names(path))
+        names = tensor_names(path)
+        if config.vision_language:
+            names = {text_tensor_name(n) for n in names} - {None}
+        config.detect_from_weights(names)
         return config
 
     @classmethod
     def from_dict(cls, hf: dict) -> "ModelConfig":
+        hf, vision_language = text_part(hf)
         # transformers >= 5 nests RoPE settings under "rope_parameters"; older files use
         # "rope_theta" and "rope_scaling" at the top level.
         rope = dict(hf.get("rope_parameters") or {})
@@ -117,7 +171,8 @@ class ModelConfig:
             model_type=hf.get("model_type", ""),
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            # Qwen3.5-MoE has no dense feed-forward, so no intermediate_size: the experts' width stands in.
+            intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size") or hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
@@ -145,6 +200,8 @@ class ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            vision_language=vision_language,
             eos_token_id=eos,
             hf_config=hf,
         )

@@ -6,6 +6,11 @@ qkv_proj, gate/up -> gate_up_proj) or is one expert's piece of a stacked expert 
 parameter, and let the parameter's own ``weight_loader`` put it in place. Anything
 missing, unexpected or misshapen is an error that names the tensor: a silently
 half-loaded model writes fluent nonsense.
+
+The text part of a vision-language checkpoint (``config.vision_language``, Qwen3.5's) is
+loaded the same way after ``text_tensor_name`` strips ``model.language_model.`` down to
+``model.``; the vision tower (``model.visual.*``) and the multi-token-prediction head
+(``mtp.*``) are skipped on purpose, being no part of the text model.
 """
 import re
 from pathlib import Path
@@ -14,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, text_tensor_name
 from minivllm.layers.linear import default_weight_loader
 from minivllm.models.registry import get_model_class
 from minivllm.safetensors_index import safetensors_files
@@ -34,14 +39,19 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
     expected = {(name, shard) for name, shard in _expected_shards(model, packed)}
     loaded: set[tuple[str, object]] = set()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    config = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    vision_language = getattr(config, "vision_language", False)
 
     for file in files:
         with safe_open(file, framework="pt") as f:
             for ckpt_name in f.keys():
-                if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                text_name = text_tensor_name(ckpt_name) if vision_language else ckpt_name
+                if text_name is None:
+                    continue  # the vision tower or the multi-token-prediction head
+                if text_name.endswith(IGNORED_SUFFIXES) or (tied and text_name == "lm_head.weight"):
                     continue
-                name, shard_id = _our_name(ckpt_name, packed, experts)
+                name, shard_id = _our_name(text_name, packed, experts)
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
                 param = params[name]

@@ -33,6 +33,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     # Qwen3.5 text: Gated DeltaNet layers with one full-attention layer in four.
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    # Qwen3.5-MoE text: the same hybrid layers, each with eight experts (two per token) and a shared one.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
@@ -54,6 +56,20 @@ FAMILY_SHAPES = {
         linear_conv_kernel_dim=4,
     ),
 }
+FAMILY_SHAPES["qwen3_5_moe"] = dict(
+    FAMILY_SHAPES["qwen3_5"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+# Fields of TINY_SHAPES a family's config does not have (Qwen3.5-MoE has no dense MLP).
+NOT_IN_CONFIG = {"qwen3_5_moe": ("intermediate_size",)}
+
+# Vision-language checkpoints (as the hub publishes Qwen3.5): the config and model classes,
+# and a vision tower as small as transformers builds it (its output is the text width).
+VISION_LANGUAGE = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+}
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, num_position_embeddings=16)
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -94,6 +110,7 @@ def make_tiny_checkpoint(
     max_shard_size: str | int | None = None,
     init_std: float = 0.08,
     with_tokenizer: bool = False,
+    vision_language: bool = False,
     **overrides,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``path`` and return the path.
@@ -102,6 +119,9 @@ def make_tiny_checkpoint(
     than transformers' default so the logits of a random model are not all nearly equal,
     which would make greedy decoding a coin toss between near-ties. ``with_tokenizer`` also
     writes a tokenizer whose end-of-text token (id 0) is the model's ``eos_token_id``.
+    ``vision_language`` writes the family's vision-language model instead (the text model
+    under ``model.language_model.``, a tiny vision tower beside it, the text settings nested
+    in ``text_config``), as the hub publishes Qwen3.5.
     """
     import transformers
 
@@ -112,8 +132,18 @@ def make_tiny_checkpoint(
     if with_tokenizer:
         fields["eos_token_id"] = SPECIAL_TOKENS.index(EOS_TOKEN)
     fields.update(FAMILY_SHAPES.get(family, {}))
+    for name in NOT_IN_CONFIG.get(family, ()):
+        del fields[name]
     fields.update(overrides)
     config = getattr(transformers, config_name)(**fields)
+    if vision_language:
+        if family not in VISION_LANGUAGE:
+            raise ValueError(f"vision_language=True: no vision-language model for {family!r}; "
+                             f"available: {sorted(VISION_LANGUAGE)}")
+        config_name, model_name = VISION_LANGUAGE[family]
+        vision = {**TINY_VISION, "out_hidden_size": config.hidden_size}
+        config = getattr(transformers, config_name)(text_config=config.to_dict(), vision_config=vision,
+                                                    tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype)
     # Norm weights start at exactly one; perturb them so a wrong norm cannot hide.

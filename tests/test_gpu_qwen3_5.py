@@ -1,5 +1,6 @@
 """Qwen3.5 on a CUDA GPU: the gated delta kernels at a real layer's shape, and the engine
-(Triton kernels, CUDA graphs with padding rows) against transformers.
+(Triton kernels, CUDA graphs with padding rows) against transformers, dense and MoE (the
+fused MoE kernel, with the shared expert beside it).
 
 Marked gpu: `make test` deselects them on the CPU; scripts/gpu_check.sh runs them.
 
@@ -79,13 +80,14 @@ def test_recurrent_kernel_at_qwen3_5_shape():
     assert torch.equal(states[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_float32_greedy_identical_to_transformers(tmp_path, enforce_eager):
+def test_float32_greedy_identical_to_transformers(tmp_path, enforce_eager, family):
     """float32 on the GPU (true float32 products in the kernels): greedy tokens equal
     transformers', with CUDA graphs (decode batches padded to a captured size, padding rows
     holding no state slot) and without; prompts shorter and longer than a chunk."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=5, max_position_embeddings=1024)
+    path = make_tiny_checkpoint(tmp_path, family=family, seed=5, max_position_embeddings=1024)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     llm = LLM(str(path), dtype="float32", enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
               block_size=16, max_num_batched_tokens=256, max_num_seqs=32, record_trace=True)
@@ -100,13 +102,21 @@ def test_float32_greedy_identical_to_transformers(tmp_path, enforce_eager):
     assert any(len(s.seqs) > 1 and all(k == "decode" for *_, k in s.seqs) for s in llm.engine.trace)
 
 
-def test_bfloat16_logits_close_to_transformers(tmp_path):
+BF16_SHAPES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=64, linear_num_key_heads=4,
+                   linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+FEED_FORWARD = {  # dense: one MLP; MoE: 64 experts, top-8, and the shared expert (Qwen3.5-35B-A3B's ratios)
+    "qwen3_5": dict(intermediate_size=768),
+    "qwen3_5_moe": dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
+                        shared_expert_intermediate_size=128),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_bfloat16_logits_close_to_transformers(tmp_path, family):
     """bfloat16: first-token log-probabilities agree with transformers' bf16 within 0.1
     (bf16 rounding of O(1) logits through a few layers), and the top token agrees."""
-    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=6, dtype=torch.bfloat16, hidden_size=256,
-                                intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-                                linear_value_head_dim=64)
+    path = make_tiny_checkpoint(tmp_path, family=family, seed=6, dtype=torch.bfloat16, **BF16_SHAPES,
+                                **FEED_FORWARD[family])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
     g = torch.Generator().manual_seed(3)

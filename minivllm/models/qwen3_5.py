@@ -72,7 +72,7 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_type: str):
+    def __init__(self, config: ModelConfig, layer_type: str, make_mlp=Qwen3MLP):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == LINEAR:
@@ -84,7 +84,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             )
         else:
             self.self_attn = Qwen3_5Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = make_mlp(config)  # the feed-forward: dense here, sparse in Qwen3.5-MoE
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,10 +96,10 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp=Qwen3MLP):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in hybrid_layer_types(config))
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, make_mlp) for t in hybrid_layer_types(config))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,10 @@ kernel can reach all of them: ``gate_up_proj`` [E, 2I, H] (gate rows, then up ro
 layout) or as one tensor per expert and projection (the hub's layout,
 ``experts.{e}.gate_proj.weight``); the parameters' ``weight_loader`` takes both.
 
+Qwen3.5-MoE adds a shared expert: one more dense feed-forward that every token goes
+through, whatever the router says, scaled per token by its own sigmoid gate
+(``shared_expert_gate``, one output) and added to the routed experts' mix.
+
 Tensor parallelism (chapter 16): every rank holds every expert, each with a slice of its
 intermediate features, split like a dense MLP (gate and up by rows, down by columns), and
 the block's output is all-reduced. The other way, whole experts per rank (expert
@@ -27,7 +31,8 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
-from minivllm.layers.linear import Linear, split_rows
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.linear import GateUpLinear, Linear, RowParallelLinear, split_rows
 from minivllm.ops.moe import fused_experts
 
 
@@ -90,20 +95,41 @@ class StackedExperts(nn.Module):
             param.data[expert].narrow(0, part * n, n).copy_(loaded_weight.narrow(0, self.start, n))
 
 
+class SharedExpert(nn.Module):
+    """A dense SwiGLU feed-forward that every token goes through (split under tensor
+    parallelism like a dense MLP; its down projection adds the ranks' slices itself)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
 class SparseMoeBlock(nn.Module):
-    """Route each token to its top-k experts and mix their outputs (no shared expert:
-    Qwen3-MoE has none)."""
+    """Route each token to its top-k experts and mix their outputs; with
+    ``shared_expert_intermediate_size`` > 0 (Qwen3.5-MoE), add a gated shared expert."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool):
+                 renormalize: bool, shared_expert_intermediate_size: int = 0):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Linear(hidden_size, num_experts)  # the router (the checkpoint's name for it)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)  # one scalar per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         # Each rank summed its slice of every expert's features: add the slices up.
-        return all_reduce(out)
+        out = all_reduce(out)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

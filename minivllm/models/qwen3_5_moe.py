@@ -1,0 +1,43 @@
+"""Qwen3.5-MoE (text, ``Qwen3_5MoeForCausalLM``, model_type ``qwen3_5_moe_text``).
+
+Qwen3.5's hybrid decoder (``models.qwen3_5``: Gated DeltaNet layers with a full-attention
+layer every few) where every layer's feed-forward is sparse, as transformers builds it:
+
+- a router (``mlp.gate``) scores ``num_experts`` experts; each token goes to the top
+  ``num_experts_per_tok``, whose softmax probabilities are always renormalised to sum to
+  one (there is no ``norm_topk_prob`` switch in this family);
+- beside them, a shared expert (``mlp.shared_expert``, a SwiGLU of
+  ``shared_expert_intermediate_size``) that every token goes through, scaled by
+  sigmoid(``mlp.shared_expert_gate`` x), one scalar per token;
+- no dense layers: ``decoder_sparse_step`` and ``mlp_only_layers`` do not exist here.
+
+Loading: as Qwen3.5, plus the experts (stacked from per-expert tensors or taken whole, as
+in Qwen3-MoE) and the shared expert's gate/up packed like a dense MLP's.
+"""
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.layers.embed_head import LMHead
+from minivllm.layers.moe import SparseMoeBlock
+from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                          config.moe_intermediate_size, renormalize=True,
+                          shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    expert_modules_mapping = Qwen3MoeForCausalLM.expert_modules_mapping
+
+    def __init__(self, config: ModelConfig):
+        nn.Module.__init__(self)
+        if config.num_experts < 1 or config.shared_expert_intermediate_size < 1:
+            raise ValueError(f"{config.architecture} needs num_experts >= 1 and shared_expert_intermediate_size >= 1 "
+                             f"in config.json, got {config.num_experts} and {config.shared_expert_intermediate_size}")
+        self.config = config
+        self.model = Qwen3_5Model(config, make_mlp=sparse_moe_block)
+        tie = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
