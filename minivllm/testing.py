@@ -35,6 +35,8 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     # Qwen3.5-MoE text: the same hybrid layers, each with eight experts (two per token) and a shared one.
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    # Qwen3-Next: Qwen3.5-MoE's layers with grouped in-projections; layer 0's feed-forward dense.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
@@ -60,6 +62,8 @@ FAMILY_SHAPES["qwen3_5_moe"] = dict(
     FAMILY_SHAPES["qwen3_5"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
 )
+FAMILY_SHAPES["qwen3_next"] = dict(FAMILY_SHAPES["qwen3_5_moe"], decoder_sparse_step=1, mlp_only_layers=[0],
+                                   norm_topk_prob=True)
 # Fields of TINY_SHAPES a family's config does not have (Qwen3.5-MoE has no dense MLP).
 NOT_IN_CONFIG = {"qwen3_5_moe": ("intermediate_size",)}
 

@@ -1,6 +1,7 @@
 """Qwen3.5 on a CUDA GPU: the gated delta kernels at a real layer's shape, and the engine
 (Triton kernels, CUDA graphs with padding rows) against transformers, dense and MoE (the
-fused MoE kernel, with the shared expert beside it).
+fused MoE kernel, with the shared expert beside it), and Qwen3-Next (the MoE model loaded
+from grouped in-projections).
 
 Marked gpu: `make test` deselects them on the CPU; scripts/gpu_check.sh runs them.
 
@@ -80,7 +81,7 @@ def test_recurrent_kernel_at_qwen3_5_shape():
     assert torch.equal(states[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_float32_greedy_identical_to_transformers(tmp_path, enforce_eager, family):
     """float32 on the GPU (true float32 products in the kernels): greedy tokens equal
@@ -108,10 +109,13 @@ FEED_FORWARD = {  # dense: one MLP; MoE: 64 experts, top-8, and the shared exper
     "qwen3_5": dict(intermediate_size=768),
     "qwen3_5_moe": dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
                         shared_expert_intermediate_size=128),
+    # Qwen3-Next: the same experts, and layer 0's dense MLP (mlp_only_layers) of intermediate_size.
+    "qwen3_next": dict(intermediate_size=768, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
+                       shared_expert_intermediate_size=128),
 }
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_bfloat16_logits_close_to_transformers(tmp_path, family):
     """bfloat16: first-token log-probabilities agree with transformers' bf16 within 0.1
     (bf16 rounding of O(1) logits through a few layers), and the top token agrees."""

@@ -72,12 +72,14 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    linear_attention_class = GatedDeltaNet  # Qwen3-Next: the same layer, loaded from other tensors
+
     def __init__(self, config: ModelConfig, layer_type: str, make_mlp=Qwen3MLP):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == LINEAR:
             hf = config.hf_config
-            self.linear_attn = GatedDeltaNet(
+            self.linear_attn = self.linear_attention_class(
                 config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"],
                 hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4),
                 config.rms_norm_eps,

@@ -8,6 +8,7 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from minivllm.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from minivllm.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -17,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
