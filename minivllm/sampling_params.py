@@ -34,7 +34,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 1, or 0 / -1 for no limit")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
+        # A torch.Generator takes a 64-bit unsigned seed.
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
+               "seed", self.seed, "an int in [0, 2**64), or None")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens", self.max_tokens, "an int >= 1, or None",

@@ -364,6 +364,8 @@ def test_no_logprobs_unless_asked(llm):
     ("min_p", dict(min_p=-0.1)),
     ("min_p", dict(min_p=1.1)),
     ("seed", dict(seed="7")),
+    ("seed", dict(seed=-1)),
+    ("seed", dict(seed=2**64)),
     ("max_tokens", dict(max_tokens=0)),
     ("max_tokens", dict(max_tokens=2.0)),
     ("min_tokens", dict(min_tokens=-1)),
