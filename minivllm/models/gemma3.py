@@ -20,7 +20,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention
-from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
+from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -157,29 +157,20 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    packed_modules_mapping = Qwen3ForCausalLM.packed_modules_mapping
-
+class Gemma3ForCausalLM(Qwen3ForCausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__()
         if config.hf_config.get("attn_logit_softcapping") is not None:
             raise ValueError("attention logit softcapping (Gemma 2) is not supported")
         if config.hf_config.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention is not supported: this is a causal engine")
-        self.config = config
-        self.model = Gemma3Model(config)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        super().__init__(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states for a flat batch of tokens ([num_tokens] ids and positions)."""
-        return self.model(input_ids, positions)
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return Gemma3Model(config)
 
     def compute_logits(self, hidden_states: torch.Tensor, all_tokens: bool = False) -> torch.Tensor:
         """Next-token logits (softcapped where configured): each sequence's last token, or every token."""
-        if not all_tokens:
-            hidden_states = last_token_states(hidden_states)
-        logits = self.lm_head(hidden_states)
+        logits = super().compute_logits(hidden_states, all_tokens)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -133,9 +133,14 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
+        self.model = self.make_model(config)
         tie = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        """The decoder stack. Every family shares this wrapper (embedding in, logits out)
+        and overrides only this: the stack is where families differ."""
+        return Qwen3Model(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states for a flat batch of tokens ([num_tokens] ids and positions)."""

@@ -17,7 +17,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention
-from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
+from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.layers.linear import Linear, PackedLinear, unsplit
 from minivllm.layers.rotary import RotaryEmbedding
@@ -111,7 +111,7 @@ class Qwen3_5Model(nn.Module):
         return self.norm(hidden_states)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     packed_modules_mapping = {
         **Qwen3ForCausalLM.packed_modules_mapping,
         "in_proj_qkv": ("in_proj", "qkv"),
@@ -120,19 +120,5 @@ class Qwen3_5ForCausalLM(nn.Module):
         "in_proj_a": ("in_proj", "a"),
     }
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3_5Model(config)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states for a flat batch of tokens ([num_tokens] ids and positions)."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor, all_tokens: bool = False) -> torch.Tensor:
-        """Next-token logits: for each sequence's last token, or for every token."""
-        if not all_tokens:
-            hidden_states = last_token_states(hidden_states)
-        return self.lm_head(hidden_states)
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return Qwen3_5Model(config)

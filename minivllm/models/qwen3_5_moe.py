@@ -17,7 +17,6 @@ in Qwen3-MoE) and the shared expert's gate/up packed like a dense MLP's.
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.embed_head import LMHead
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -33,11 +32,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     expert_modules_mapping = Qwen3MoeForCausalLM.expert_modules_mapping
 
     def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
         if config.num_experts < 1 or config.shared_expert_intermediate_size < 1:
             raise ValueError(f"{config.architecture} needs num_experts >= 1 and shared_expert_intermediate_size >= 1 "
                              f"in config.json, got {config.num_experts} and {config.shared_expert_intermediate_size}")
-        self.config = config
-        self.model = Qwen3_5Model(config, make_mlp=sparse_moe_block)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        super().__init__(config)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return Qwen3_5Model(config, make_mlp=sparse_moe_block)

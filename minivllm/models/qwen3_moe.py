@@ -13,7 +13,7 @@ parameters (``expert_modules_mapping`` tells the loader which piece goes where).
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.embed_head import LMHead, VocabEmbedding
+from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.layers.norm import RMSNorm
 from minivllm.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
@@ -51,12 +51,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     }
 
     def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
         if config.num_experts < 1:
             raise ValueError(f"{config.architecture} needs num_experts >= 1 in config.json, got {config.num_experts}")
         if config.hf_config.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported for Qwen3-MoE")
-        self.config = config
-        self.model = Qwen3MoeModel(config)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        super().__init__(config)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return Qwen3MoeModel(config)

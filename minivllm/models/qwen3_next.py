@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.embed_head import LMHead, VocabEmbedding
+from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.models.gemma3 import GemmaRMSNorm
@@ -90,11 +90,10 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     expert_modules_mapping = Qwen3MoeForCausalLM.expert_modules_mapping
 
     def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
         if config.num_experts and config.shared_expert_intermediate_size < 1:
             raise ValueError(f"{config.architecture} needs shared_expert_intermediate_size >= 1 in config.json, "
                              f"got {config.shared_expert_intermediate_size}")
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        tie = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+        super().__init__(config)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return Qwen3NextModel(config)
