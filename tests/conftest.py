@@ -31,7 +31,13 @@ def _free_gpu_memory_after_test():
     yield
     if torch.cuda.is_available():
         import gc
+        import sys
 
+        # A failed test's traceback (kept in sys.last_* for post-mortem debugging) holds its
+        # frames, and with them its engine: drop it, or one failure fails every later test.
+        for name in ("last_exc", "last_value", "last_traceback", "last_type"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -115,22 +115,40 @@ FEED_FORWARD = {  # dense: one MLP; MoE: 64 experts, top-8, and the shared exper
 }
 
 
+# Checkpoint seeds. Tiny random MoE models can be ill-conditioned in bf16: the router's
+# top-8 of 64 near-equal scores flips under rounding and moves the output. For Qwen3.5-MoE
+# at these shapes transformers' own bf16 differs from its float32 by 0.12-2.0 in log-prob on
+# five of the seeds 6-11 (on the CPU); seed 9 is one where bf16 is a faithful approximation,
+# and the test asserts that precondition instead of assuming it.
+BF16_SEEDS = {"qwen3_5": 6, "qwen3_5_moe": 9, "qwen3_next": 6}
+BF16_TOL = 0.1  # bf16 rounding of O(1) log-probs through a few layers
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_bfloat16_logits_close_to_transformers(tmp_path, family):
-    """bfloat16: first-token log-probabilities agree with transformers' bf16 within 0.1
-    (bf16 rounding of O(1) logits through a few layers), and the top token agrees."""
-    path = make_tiny_checkpoint(tmp_path, family=family, seed=6, dtype=torch.bfloat16, **BF16_SHAPES,
-                                **FEED_FORWARD[family])
+    """bfloat16: first-token log-probabilities agree with transformers' bf16 within 0.1, and
+    our greedy token is one transformers rates within 0.1 of its best (near-ties may swap).
+
+    Precondition, asserted: on this checkpoint transformers' bf16 is itself within 0.1 of its
+    float32, so a 0.1 bound between two bf16 implementations is meaningful."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_checkpoint(tmp_path, family=family, seed=BF16_SEEDS[family], dtype=torch.bfloat16,
+                                **BF16_SHAPES, **FEED_FORWARD[family])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
     g = torch.Generator().manual_seed(3)
     for length in (40, 300):
         prompt = torch.randint(0, 512, (length,), generator=g).tolist()
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
         with torch.no_grad():
-            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float().log_softmax(-1)
+            ids = torch.tensor([prompt], device="cuda")
+            ref = hf(ids).logits[0, -1].float().log_softmax(-1)
+            ref32 = hf32(ids).logits[0, -1].float().log_softmax(-1)
+        exact = ref32.topk(5).indices
+        assert (ref[exact] - ref32[exact]).abs().max() < BF16_TOL, "precondition: bf16 is faithful on this checkpoint"
         top = ref.topk(5)
         ours = out.outputs[0].logprobs[0]
-        assert out.outputs[0].token_ids[0] == int(top.indices[0])
+        assert ref[out.outputs[0].token_ids[0]] > top.values[0] - BF16_TOL
         for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
-            assert tid in ours and abs(ours[tid].logprob - lp) < 0.1
+            assert tid in ours and abs(ours[tid].logprob - lp) < BF16_TOL

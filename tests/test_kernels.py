@@ -212,3 +212,18 @@ def test_kernels_reject_bad_shapes():
         rms_norm(x, torch.randn(7, device=DEVICE, dtype=DTYPE), 1e-6)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.randn(3, 7, device=DEVICE, dtype=DTYPE))
+
+
+def test_attention_kernels_reject_missing_bounds():
+    """The host-side bounds size the launch grids: a zero (Context's default) would launch
+    nothing (prefill) or read too few keys (decode). Both are refused by name."""
+    from minivllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+    k_cache = torch.randn(2, 16, 2, 16, device=DEVICE, dtype=DTYPE)
+    tables = torch.tensor([[0], [1]], device=DEVICE, dtype=torch.int32)
+    lens = torch.tensor([5, 3], device=DEVICE, dtype=torch.int32)
+    cu = torch.tensor([0, 5, 8], device=DEVICE, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        paged_prefill_attention(torch.randn(8, 4, 16, device=DEVICE, dtype=DTYPE), k_cache, k_cache, tables, lens, cu, 0, 0.25)
+    with pytest.raises(ValueError, match="max_context_len"):
+        paged_decode_attention(torch.randn(2, 4, 16, device=DEVICE, dtype=DTYPE), k_cache, k_cache, tables, lens, 0.25, 0)
