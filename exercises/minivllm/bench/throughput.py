@@ -60,17 +60,23 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
 
 
+def warmup_requests():
+    """The requests run before the timed one: the workload's range of prompt lengths, so
+    Triton compiles the kernels' specialisations here and not in the timed run; other random
+    prompts than the workload's, so the timed run finds nothing of its own in the prefix cache."""
+    from minivllm import SamplingParams
+
+    warm, _ = make_workload(16, seed=12345)
+    return warm, SamplingParams(max_tokens=16, ignore_eos=True)
+
+
 def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) -> dict:
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, record_trace=True,
               max_num_seqs=256, max_num_batched_tokens=16384)
-    # Warm-up over the workload's range of prompt lengths, so Triton's compilations of the
-    # kernels' specialisations happen here and not in the timed run.
-    # Other random prompts than the workload's, so the timed run finds nothing of its own in
-    # the prefix cache.
-    warm, _ = make_workload(16, seed=12345)
-    llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    warm, warm_params = warmup_requests()
+    llm.generate(warm, warm_params, use_tqdm=False)
     llm.engine.trace.clear()
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     torch.cuda.synchronize()

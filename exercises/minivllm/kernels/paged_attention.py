@@ -135,6 +135,9 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
         raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    if num_seqs and max_context_len < 1:
+        # Checked on the host: the grid is sized from it, and keys past the last split are never read.
+        raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
@@ -243,6 +246,9 @@ def paged_prefill_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
         raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    if num_tokens and max_seqlen_q < 1:
+        # The grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence: with 0, nothing would run.
+        raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
     out = torch.empty_like(q)
     num_seqs = cu_seqlens_q.shape[0] - 1
     block_m = 64 if q.is_cuda else 16
