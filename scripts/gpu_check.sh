@@ -8,6 +8,11 @@
 # (default: .out/gpu) and in benchmarks/.
 #   bash scripts/gpu_check.sh [tests] [notebooks] [bench]   (default: all three)
 #   BENCHES="moe latency" bash scripts/gpu_check.sh bench    (a subset of the benchmarks)
+#   TESTS="tests/test_gpu_qwen3_5.py" bash scripts/gpu_check.sh tests   (a subset of the GPU tests)
+#   NOTEBOOKS="notebooks/02_*.ipynb" bash scripts/gpu_check.sh notebooks
+# The whole check takes longer than one 10-minute call on a fresh machine (the GPU tests
+# alone about 10 minutes, most of it transformers' float32 references and Triton compiling):
+# run it in parts. Logs are packed into $OUT/logs.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out/gpu}
@@ -28,7 +33,9 @@ multi_gpu=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo yes || echo no)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests \
+  tests=${TESTS:-"tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
+  # A test stuck for over 5 minutes dumps every thread's stack into the log.
+  python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 -o faulthandler_timeout=300 $tests \
     2>&1 | tee "$OUT/tests.log"
   status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
 fi
@@ -44,12 +51,13 @@ if [[ $parts == *bench* ]]; then
 fi
 if [[ $parts == *notebooks* ]]; then
   # Execute in place (the committed copies then carry GPU outputs), then nbval over them.
-  python3 scripts/execute_notebooks.py notebooks/[0-9]*.ipynb 2>&1 | tee "$OUT/notebooks.log"
+  notebooks=${NOTEBOOKS:-notebooks/[0-9]*.ipynb}
+  python3 scripts/execute_notebooks.py $notebooks 2>&1 | tee "$OUT/notebooks.log"
   ok=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
-  tar czf "$OUT/notebooks.tgz" notebooks/[0-9]*.ipynb
+  tar czf "$OUT/notebooks.tgz" $notebooks
   if [ "${NBVAL:-1}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-      --nbval-sanitize-with notebooks/sanitize.cfg notebooks/ 2>&1 | tee -a "$OUT/notebooks.log"
+      --nbval-sanitize-with notebooks/sanitize.cfg $notebooks 2>&1 | tee -a "$OUT/notebooks.log"
     [ "${PIPESTATUS[0]}" = 0 ] || ok=FAIL
   fi
   status[notebooks]=$ok
@@ -105,4 +113,6 @@ for r in rows:
     print(f"{r[0]:<40} {r[1]:>22} {r[2]:>22}")
 PY
 for part in "${!status[@]}"; do echo "$part: ${status[$part]}"; done
+# One archive of the logs, beside the benchmark and notebook archives.
+(cd "$OUT" && tar czf logs.tgz *.log gpu.txt && rm -f *.log gpu.txt)
 for part in "${!status[@]}"; do [ "${status[$part]}" = pass ] || exit 1; done
