@@ -55,6 +55,10 @@ class Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     stop_reason: int | str | None = None
     stream: bool = False  # report every new token, not just the final output
+    # Copied once at admission and shared by every output of the request (read-only for
+    # callers): a streaming request gets an output per token, and copying a long prompt into
+    # each would cost O(prompt length) per token.
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -105,7 +109,8 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-        self.requests[seq.request_id] = Request(seq, prompt, detok, generator, stream=stream)
+        self.requests[seq.request_id] = Request(seq, prompt, detok, generator, stream=stream,
+                                                   prompt_token_ids=seq.prompt_token_ids)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -259,7 +264,7 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,  # a slice: already a copy
             cumulative_logprob=request.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
             logprobs=list(request.logprobs) if seq.sampling_params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
@@ -268,7 +273,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=request.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
