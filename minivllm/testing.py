@@ -158,7 +158,14 @@ def make_tiny_checkpoint(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(path, **kwargs)
+    # A tiny checkpoint is written in an instant: no progress bar in a notebook's output.
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, **kwargs)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     if with_tokenizer:
         write_tiny_tokenizer(path, vocab_size=config.vocab_size, model_max_length=config.max_position_embeddings)
     return path
