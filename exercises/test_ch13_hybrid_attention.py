@@ -5,7 +5,8 @@ Your ``gated_delta_step``, ``causal_conv1d`` and ``gated_delta_chunk``
 head and one token at a time, on random inputs of random shapes (hypothesis): the step
 against S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q; the conv against
 F.conv1d with zero padding, with the state carried across pieces of any length; the chunk
-against the step-by-step recurrence from the same starting state. The Gated DeltaNet layer
+against the step-by-step recurrence from the same starting state, also under a decay strong
+enough that exp() of an unmasked log-decay overflows float32. The Gated DeltaNet layer
 and the engine's decode and prefill paths call exactly these functions on the CPU.
 """
 import torch
@@ -89,6 +90,26 @@ def test_ch13_gated_delta_chunk_equals_the_recurrence(seed, length, heads, dk, d
     q, k, v, g, beta, state = rule_inputs(seed, length, heads, dk, dv)
     out, final = gated_delta_chunk(q, k, v, g, beta, state.clone())
     assert out.shape == (length, heads, dv), f"out must be [C, H, dv] = {(length, heads, dv)}, got {tuple(out.shape)}"
+    for h in range(heads):
+        s = state[h]
+        for t in range(length):
+            o, s = one_step(s, q[t, h], k[t, h], v[t, h], g[t, h], beta[t, h])
+            torch.testing.assert_close(out[t, h], o, atol=1e-4, rtol=1e-4, msg=f"token {t}, head {h}: wrong output")
+        torch.testing.assert_close(final[h], s, atol=1e-4, rtol=1e-4, msg=f"head {h}: wrong final state")
+
+
+@given(seed=st.integers(0, 2**16), length=st.integers(24, 64), heads=st.integers(1, 2), dk=st.integers(1, 8),
+       dv=st.integers(1, 8))
+def test_ch13_gated_delta_chunk_under_strong_decay(seed, length, heads, dk, dv):
+    """Real gates forget fast: g = -exp(A_log) * softplus(...) reaches -10 and below, and
+    over a chunk of up to 64 tokens (the engine's) gamma_i - gamma_j exceeds 88 above the
+    diagonal, where exp() overflows float32. The decay must be masked before exp (an inf
+    times a zero mask is NaN), and exp(gamma_i) / exp(gamma_j) (both underflow) will not do."""
+    q, k, v, _, beta, state = rule_inputs(seed, length, heads, dk, dv)
+    g = -12 * torch.rand(length, heads, generator=torch.Generator().manual_seed(seed + 1))
+    out, final = gated_delta_chunk(q, k, v, g, beta, state.clone())
+    assert torch.isfinite(out).all() and torch.isfinite(final).all(), (
+        f"inf or NaN with a strong decay over {length} tokens: mask the log-decay before exp")
     for h in range(heads):
         s = state[h]
         for t in range(length):
