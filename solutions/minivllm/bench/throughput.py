@@ -91,15 +91,23 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
     model = llm.engine.runner.model
+    trace = llm.engine.trace
+    # Where the time went, kept in the report: steps that carry a prefill (eager) apart from
+    # decode-only steps (CUDA graphs), and the slowest steps, where one-time work shows.
+    slowest = sorted(trace, key=lambda s: s.seconds, reverse=True)[:5]
     result = {
         "output_tokens": output_tokens,
         "seconds": seconds,
         "output_tokens_per_s": output_tokens / seconds,
-        "steps": len(llm.engine.trace),
+        "steps": len(trace),
+        "prefill_step_seconds": sum(s.seconds for s in trace if s.num_prefill_tokens),
+        "decode_step_seconds": sum(s.seconds for s in trace if not s.num_prefill_tokens),
+        "slowest_steps": [{"step": s.step, "seconds": s.seconds, "prefill_tokens": s.num_prefill_tokens,
+                           "sequences": len(s.seqs)} for s in slowest],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),
         "kv_blocks": llm.engine.runner.num_kv_blocks,
         "enforce_eager": enforce_eager,
-        "_trace": llm.engine.trace,
+        "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
         "_config": model.config,
     }
