@@ -5,9 +5,16 @@ is driven with a fake engine step that stands in for the model (it moves
 ``num_computed_tokens`` forward, commits full blocks, appends a token to every sequence
 whose step completes and finishes it at ``max_tokens``): hand-built situations where the
 pool runs dry (who is preempted, in which order, what happens when the sequence that needs
-room is itself the newest, and that nobody is preempted while the last block still has
-room), random workloads checked after every step, and finally the real engine on a pool
-so small that it must preempt, against transformers' greedy tokens on the same weights.
+room is itself the newest, that one victim is not always enough, and that nobody is
+preempted while the last block still has room), random workloads checked after every step,
+and finally the real engine on a pool so small that it must preempt, against transformers'
+greedy tokens on the same weights.
+
+The engine adds one token per step, so a decode needs at most one new block and the first
+victim always frees enough. The fake engine can also add several tokens in one step (as
+speculative decoding does when it accepts draft tokens); then a sequence can need several
+blocks at once, which tells ``while`` from ``if`` and ``can_grow(seq, n)`` from
+``can_grow(seq, 1)``.
 """
 import random
 
@@ -28,10 +35,11 @@ class FakeEngine:
     """The engine's bookkeeping around Scheduler.schedule, with a token generator instead of a model."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False,
-                 seed=0):
+                 seed=0, max_burst=1):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         self.rng = random.Random(seed)
+        self.max_burst = max_burst  # most tokens a completing step appends (1: the engine)
         self.finished: list[Sequence] = []
 
     def add(self, prompt_len: int, max_tokens: int) -> Sequence:
@@ -41,14 +49,22 @@ class FakeEngine:
 
     def step(self) -> ScheduledBatch:
         running_before = list(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except KeyError as e:  # popping an empty free list in BlockManager._take_free_block
+            pytest.fail(
+                f"KeyError {e} inside schedule: most likely the free list ran dry while growing a sequence; keep "
+                "preempting while the block manager cannot grow seq by all n of its new tokens", pytrace=False,
+            )
         check_batch(self, batch, running_before)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             done = batch.completes(i)
             seq.num_computed_tokens += n
             self.bm.commit_full_blocks(seq)
             if done:
-                seq.token_ids.append(self.rng.randrange(1000))
+                burst = self.rng.randint(1, self.max_burst) if self.max_burst > 1 else 1
+                burst = min(burst, seq.sampling_params.max_tokens - seq.num_output_tokens)
+                seq.token_ids.extend(self.rng.randrange(1000) for _ in range(burst))
                 if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                     self.scheduler.finish(seq, "length")
                     self.finished.append(seq)
@@ -134,6 +150,29 @@ def test_ch07_the_sequence_that_needs_room_can_be_the_victim():
     assert len(a.block_table) == 3 and b.block_table == []
 
 
+def test_ch07_keeps_preempting_until_the_sequence_fits():
+    # 2-token blocks, 5 in the pool: A (3-token prompt) holds two, B, C and D (1 token) one
+    # each. Then A is handed 4 more tokens at once: computing its 5 new tokens needs two
+    # more blocks. D's one block is not enough; C must go too, and B still runs.
+    engine = FakeEngine(num_blocks=5, block_size=2)
+    a = engine.add(3, 7)
+    b, c, d = engine.add(1, 4), engine.add(1, 4), engine.add(1, 4)
+    first = engine.step()
+    assert first.seqs == [a, b, c, d] and engine.bm.num_free_blocks == 0
+    a.token_ids.extend([11, 12, 13, 14])  # 8 tokens, 3 computed: 4 blocks, A holds 2
+    batch = engine.step()
+    assert batch.preempted == [d, c], (
+        f"A needs two blocks: preempt D, then C (newest first); preempted: {[v.seq_id for v in batch.preempted]}"
+    )
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [5, 1]
+    assert len(a.block_table) == 4
+    for _ in range(50):
+        if not engine.scheduler.has_unfinished():
+            break
+        engine.step()
+    assert all(s.is_finished for s in (a, b, c, d)) and engine.bm.num_free_blocks == 5
+
+
 def test_ch07_no_preemption_while_the_last_block_has_room():
     # The pool is full but every decode fits in its sequence's last block.
     engine = FakeEngine(num_blocks=4, block_size=4)
@@ -174,7 +213,31 @@ def test_ch07_chunked_prefill_is_not_preempted_without_need():
 def test_ch07_random_workloads(requests, num_blocks, block_size, budget, max_num_seqs, prefix_caching, seed):
     # Requests arrive at random steps; every step is checked (victims newest first, nobody
     # preempted twice in one step, bookkeeping consistent); everything finishes.
-    engine = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, seed)
+    run_workload(FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, seed), requests)
+
+
+@settings(max_examples=30)
+@given(
+    # Short prompts and long bursts: victims holding fewer blocks than a burst needs.
+    requests=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6), st.integers(1, 20)), min_size=2, max_size=10),
+    num_blocks=st.integers(6, 16),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.sampled_from([8, 16, 64]),
+    max_num_seqs=st.integers(2, 6),
+    prefix_caching=st.booleans(),
+    max_burst=st.integers(2, 8),
+    seed=st.integers(0, 1000),
+)
+def test_ch07_random_workloads_with_several_tokens_per_step(requests, num_blocks, block_size, budget, max_num_seqs,
+                                                           prefix_caching, max_burst, seed):
+    # The same, with steps that append up to max_burst tokens: a sequence may need several
+    # blocks at once, and making room for it may take several victims.
+    run_workload(FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, seed, max_burst), requests)
+
+
+def run_workload(engine: FakeEngine, requests) -> None:
+    """Add requests (arrival step, prompt length, max tokens) as they arrive; run to the end."""
+    num_blocks, block_size = engine.bm.num_blocks, engine.bm.block_size
     capacity = num_blocks * block_size
     arrivals = {}
     for at, prompt_len, max_tokens in requests:
