@@ -12,6 +12,7 @@
 Tolerance: the split matmuls add the same float32 products in another order (the
 all-reduce sums two partial dot products), a few ulps on O(1) values: 1e-5 absolute.
 """
+import gc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -278,7 +279,11 @@ def test_bf16_tensor_parallel_matches_one_gpu(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     one = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3)
     reference = one.generate(prompts, params, use_tqdm=False)
+    # Give the GPU back before rank 0 sizes its KV pool: it would otherwise count this
+    # engine's memory as in use, find no room, and fail to start.
     del one
+    gc.collect()
+    torch.cuda.empty_cache()
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, tensor_parallel_size=2)
     try:
         assert llm.engine.runner.graphs  # CUDA graphs with the all-reduces inside
@@ -292,3 +297,36 @@ def test_bf16_tensor_parallel_matches_one_gpu(tmp_path):
         same += sum(x == y for x, y in zip(a, b))
         total += len(a)
     assert same >= 0.9 * total
+
+
+def test_rank_zero_leaves_the_group_before_waiting_for_workers(monkeypatch):
+    """Under NCCL each rank's destroy_process_group waits for every other rank's: if rank 0
+    joined its workers first, each side would wait for the other (on the H200 every shutdown
+    stalled for the 30 s join timeout). So _stop must send None, leave, and only then join;
+    and with a worker already dead it must abort, since nobody will leave with it."""
+    from minivllm.engine import tp_worker
+
+    calls = []
+
+    class FakeWorker:
+        def __init__(self, alive):
+            self.alive = alive
+
+        def is_alive(self):
+            return self.alive
+
+        def join(self, timeout=None):
+            calls.append("join")
+            self.alive = False  # it exited
+
+    class FakeQueue:
+        def put(self, item):
+            calls.append(("put", item))
+
+    monkeypatch.setattr(tp_worker, "destroy_tensor_parallel", lambda abort=False: calls.append(("leave", abort)))
+    tp_worker._stop([FakeWorker(True), FakeWorker(True)], [FakeQueue(), FakeQueue()])
+    assert calls == [("put", None), ("put", None), ("leave", False), "join", "join"]
+
+    calls.clear()
+    tp_worker._stop([FakeWorker(True), FakeWorker(False)], [FakeQueue(), FakeQueue()])
+    assert calls == [("put", None), ("leave", True), "join", "join"]

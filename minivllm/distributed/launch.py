@@ -26,10 +26,10 @@ def _rank_main(rank: int, world_size: int, init_method: str, device: str, fn, ar
         # Pickled here, by value: a tensor sent through a queue as-is would be shared
         # memory that disappears with this process.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
+        destroy_tensor_parallel()  # every rank leaves together (under NCCL, leaving is collective)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-    finally:
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(abort=True)  # the other ranks may never arrive to leave with
 
 
 def run_on_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float = 300.0,

@@ -54,10 +54,18 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
     _STATE.rank, _STATE.world_size, _STATE.connected = rank, world_size, True
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (if any) and go back to world size 1."""
+def destroy_tensor_parallel(abort: bool = False) -> None:
+    """Leave the group (if any) and go back to world size 1.
+
+    Under NCCL leaving is itself collective: ``destroy_process_group`` returns only once every
+    rank has called it, so all ranks must leave together. When a rank has failed and will
+    never arrive, ``abort=True`` tears this rank's side down without waiting for the others
+    (gloo, the CPU backend, never waits: it leaves either way)."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if abort and dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _STATE.rank, _STATE.world_size, _STATE.connected = 0, 1, False
 
 

@@ -14,8 +14,11 @@ blocks in ``queue.get``, which may wait for hours between requests, where a coll
 would time out. The message is the step's metadata, a few integers per token and per
 sequence, never the sequences' whole histories.
 
-Shutdown: rank 0 sends ``None``; each worker leaves the group and exits. The workers are
-daemon processes, so they also end with rank 0.
+Shutdown: rank 0 sends ``None`` and leaves the group; each worker leaves it too and exits.
+Under NCCL leaving is collective (every rank's ``destroy_process_group`` waits for the
+others), so rank 0 leaves at once rather than after waiting for the workers to exit. After a
+failure nobody can be waited for: the ranks abort the group instead. The workers are daemon
+processes, so they also end with rank 0.
 """
 import socket
 import time
@@ -69,6 +72,7 @@ def free_port() -> int:
 def worker_main(rank: int, config: EngineConfig, init_method: str, steps, reports, num_threads: int) -> None:
     """A worker rank: join the group, load this rank's shards, run every step rank 0 sends."""
     reports.put(("started", rank, ""))
+    failed = True
     try:
         torch.set_num_threads(num_threads)  # as many CPU threads as rank 0 uses
         if torch.device(config.device).type == "cuda":
@@ -78,25 +82,29 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, steps, report
         while (message := steps.get()) is not None:
             step, rows_to_sample = message
             runner.execute(*runner.upload(step), rows_to_sample)
+        failed = False
     except BaseException:
         reports.put(("error", rank, traceback.format_exc()))
         raise
     finally:
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(abort=failed)
 
 
-def _stop(workers: list, steps: list) -> None:
-    """Ask every worker to exit, wait for it (killing it after JOIN_TIMEOUT_S), and leave the
-    group. A module function, not a method, so the finalizer holds no reference to the runner."""
+def _stop(workers: list, steps: list, abort: bool = False) -> None:
+    """Ask every worker to exit, leave the group together with them, then wait for them
+    (killing any still there after JOIN_TIMEOUT_S). With a worker already gone, or with
+    ``abort`` (start-up failed), nobody may arrive to leave with: abort the group instead.
+    A module function, not a method, so the finalizer holds no reference to the runner."""
+    abort = abort or not all(worker.is_alive() for worker in workers)
     for queue, worker in zip(steps, workers):
         if worker.is_alive():
             queue.put(None)
+    destroy_tensor_parallel(abort=abort)
     for worker in workers:
         worker.join(JOIN_TIMEOUT_S)
         if worker.is_alive():
             worker.kill()
             worker.join()
-    destroy_tensor_parallel()
 
 
 class TensorParallelRunner(ModelRunner):
@@ -125,7 +133,8 @@ class TensorParallelRunner(ModelRunner):
             init_tensor_parallel(0, world_size, init_method, backend_for(config.device), TIMEOUT_S)
             super().__init__(config)
         except BaseException as e:
-            self.shutdown()
+            self._stop.detach()
+            _stop(self.workers, self.steps, abort=True)
             raise RuntimeError(f"tensor-parallel start-up failed{self._worker_errors()}") from e
 
     def run(self, batch, rows_to_sample: list[int], params, generators, banned):
