@@ -34,8 +34,11 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
   tests=${TESTS:-"tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
-  # A test stuck for over 5 minutes dumps every thread's stack into the log.
-  python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 -o faulthandler_timeout=300 $tests \
+  # A test stuck for over 5 minutes dumps every thread's stack into the log; with
+  # pytest-timeout installed, one stuck for 10 minutes (say, in an NCCL collective, where no
+  # signal reaches Python) also ends the run instead of holding the machine.
+  stuck=$(python3 -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=600 --timeout-method=thread")
+  python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 -o faulthandler_timeout=300 $stuck $tests \
     2>&1 | tee "$OUT/tests.log"
   status[tests]=$([ "${PIPESTATUS[0]}" = 0 ] && echo pass || echo FAIL)
 fi
