@@ -177,5 +177,6 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a tensor-parallel engine (also done at exit)."""
+        """Free what the engine holds: the worker processes of a tensor-parallel engine (also
+        stopped at exit) and the device memory, so that another LLM can take its place."""
         self.engine.shutdown()

@@ -347,3 +347,23 @@ def test_stream_with_a_stop_string_sends_nothing_it_takes_back(llm):
         [expected] = llm.generate(prompt, params, use_tqdm=False)
         assert expected.outputs[0].finish_reason == "stop"
         assert "".join(llm.stream(prompt, params)) == expected.outputs[0].text, stop
+
+
+def test_shutdown_frees_the_engine_and_refuses_new_work(checkpoint):
+    """shutdown() gives back the weights and the KV pool (nothing keeps them alive), drops
+    unfinished requests, and every later call says the engine is gone instead of crashing on
+    a missing model."""
+    import weakref
+
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8)
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))  # left unfinished
+    runner = llm.engine.runner
+    kv_cache, weight = weakref.ref(runner.kv_cache), weakref.ref(next(runner.model.parameters()))
+    llm.shutdown()
+    assert kv_cache() is None and weight() is None
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.engine.step()
+    llm.shutdown()  # a second call does nothing

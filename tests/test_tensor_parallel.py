@@ -12,7 +12,6 @@
 Tolerance: the split matmuls add the same float32 products in another order (the
 all-reduce sums two partial dot products), a few ulps on O(1) values: 1e-5 absolute.
 """
-import gc
 import pytest
 import torch
 import torch.nn.functional as F
@@ -281,9 +280,7 @@ def test_bf16_tensor_parallel_matches_one_gpu(tmp_path):
     reference = one.generate(prompts, params, use_tqdm=False)
     # Give the GPU back before rank 0 sizes its KV pool: it would otherwise count this
     # engine's memory as in use, find no room, and fail to start.
-    del one
-    gc.collect()
-    torch.cuda.empty_cache()
+    one.shutdown()
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, tensor_parallel_size=2)
     try:
         assert llm.engine.runner.graphs  # CUDA graphs with the all-reduces inside

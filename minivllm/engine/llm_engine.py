@@ -88,6 +88,7 @@ class LLMEngine:
         self.trace: list[StepRecord] = []
         self.num_steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+        self.is_shut_down = False
 
     # -- requests ----------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class LLMEngine:
         stream: bool = False,
     ) -> str:
         """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
+        self._check_running()
         params = sampling_params or SamplingParams()
         self.validate_prompt(prompt_token_ids)
         seq = Sequence(prompt_token_ids, params, request_id)
@@ -138,8 +140,19 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any. The engine is unusable after."""
+        """Stop the tensor-parallel worker processes, if any, and give back the device memory
+        (weights, KV pool, CUDA graphs). Unfinished requests are dropped; the engine refuses
+        new work after."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
         self.runner.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine has been shut down: build a new LLM to generate again")
 
     # -- the step ----------------------------------------------------------------------
 
@@ -147,6 +160,7 @@ class LLMEngine:
         """Run one step; return an output for every request that finished, and for every
         streaming request that got a token. (Building an output copies the token list:
         doing it for every request at every step would cost O(length^2) per request.)"""
+        self._check_running()
         start = time.perf_counter()
         hits_before = self.block_manager.cache_hit_tokens
         batch = self.scheduler.schedule()

@@ -154,6 +154,7 @@ class TensorParallelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         self._stop()
+        super().shutdown()
 
     def _wait_until_started(self) -> None:
         """Wait until every worker runs worker_main, so that a worker that cannot even start

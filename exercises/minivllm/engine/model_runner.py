@@ -15,6 +15,7 @@ num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU
 of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a warm-up
 forward pass has shown the activations' peak; on the CPU it comes from a configured size.
 """
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,7 +225,15 @@ class ModelRunner:
         return logits
 
     def shutdown(self) -> None:
-        """Nothing to stop in a single process (a tensor-parallel runner stops its workers)."""
+        """Give the device memory back: the CUDA graphs (their pool holds the captured
+        activations), the KV pool, the state pools and the weights. The runner is unusable
+        after. (Parameters keep bound weight loaders, a reference cycle, so only the cycle
+        collector frees the model.)"""
+        self.graphs.clear()
+        self.static = self.kv_cache = self.model = self.layers = self.state_layers = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- CUDA graphs for decode ----------------------------------------------------------
 
