@@ -77,6 +77,7 @@ def check_trace(llm) -> None:
     for record in llm.engine.trace:
         assert sum(n for _, n, _ in record.seqs) <= config.max_num_batched_tokens
         assert len(record.seqs) <= config.max_num_seqs
+        assert 0 < record.host_seconds < record.seconds  # the runner's share is the rest
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # everything given back
 

@@ -100,6 +100,10 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) 
         "steps": len(trace),
         "prefill_step_seconds": sum(s.seconds for s in trace if s.num_prefill_tokens),
         "decode_step_seconds": sum(s.seconds for s in trace if not s.num_prefill_tokens),
+        # Of those, the engine's own Python outside the model runner (scheduling, bookkeeping),
+        # while the GPU waits with nothing queued.
+        "prefill_step_host_seconds": sum(s.host_seconds for s in trace if s.num_prefill_tokens),
+        "decode_step_host_seconds": sum(s.host_seconds for s in trace if not s.num_prefill_tokens),
         "slowest_steps": [{"step": s.step, "seconds": s.seconds, "prefill_tokens": s.num_prefill_tokens,
                            "sequences": len(s.seqs)} for s in slowest],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),

@@ -34,6 +34,9 @@ class StepRecord:
     seconds: float
     kv_tokens_read: int = 0  # cached tokens the step's attention reads (its K/V traffic)
     attention_pairs: int = 0  # (query, visible key) pairs: the attention FLOPs / (4 * heads * dim)
+    # Of `seconds`, the part outside the model runner: scheduling before, bookkeeping after.
+    # The device has nothing queued then (the runner returns once the tokens are sampled).
+    host_seconds: float = 0.0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -178,7 +181,9 @@ class LLMEngine:
         banned = [self._banned_tokens(batch.seqs[i]) for i in rows]
         kv_tokens_read = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         attention_pairs = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(batch.seqs, batch.num_new_tokens))
+        run_start = time.perf_counter()
         sampled = self.runner.run(batch, rows, params, generators, banned)
+        run_seconds = time.perf_counter() - run_start
 
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -211,6 +216,7 @@ class LLMEngine:
                 seconds=elapsed,
                 kv_tokens_read=kv_tokens_read,
                 attention_pairs=attention_pairs,
+                host_seconds=elapsed - run_seconds,
             ))
         self.num_steps += 1
         return outputs
