@@ -1,9 +1,11 @@
 """``minivllm generate | chat | serve | bench``; every command defaults to the bundled model."""
 import argparse
 import json
+import logging
 import sys
 
 MODEL_HELP = "a local folder or hub id (default: the bundled model)"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
 
 
 def engine_args(args) -> dict:
@@ -22,6 +24,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def server_config(args):
+    """The ServerConfig a ``serve`` command line gave."""
+    from minivllm.server.api import ServerConfig
+
+    config = ServerConfig(api_key=args.api_key)
+    for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids"):
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    if args.allowed_hosts is not None:
+        config.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    elif args.host not in LOOPBACK_HOSTS:
+        config.allowed_hosts = ["*"]  # reached by whatever name the network gives it
+    if args.allowed_origins is not None:
+        config.allowed_origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +67,16 @@ def main(argv: list[str] | None = None) -> None:
                        help="the name clients ask for (default: --model as given, or 'bundled')")
     serve.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and the docs")
+    serve.add_argument("--max-request-bytes", type=int, default=None, help="refuse bigger bodies (default 16 MiB)")
+    serve.add_argument("--max-stop", type=int, default=None, help="stop strings per request (default 64)")
+    serve.add_argument("--max-stop-chars", type=int, default=None, help="characters per stop string (default 256)")
+    serve.add_argument("--max-stop-token-ids", type=int, default=None, help="stop_token_ids per request (default 256)")
+    serve.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated Host names to answer to; '*' for any (default: loopback names when "
+                            "--host is loopback, else any)")
+    serve.add_argument("--allowed-origins", default=None,
+                       help="comma-separated origins whose web pages may call the API (CORS; default: none)")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
@@ -77,12 +105,14 @@ def main(argv: list[str] | None = None) -> None:
         from minivllm.server.api import serve as run_server
         from minivllm.server.async_engine import AsyncLLMEngine
 
-        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        config = server_config(args)
+        if args.host not in LOOPBACK_HOSTS and args.api_key is None:
             print(f"warning: serving on {args.host} with no --api-key: anyone who can reach it can use it",
                   file=sys.stderr)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
         llm = LLM(args.model, **engine_args(args))
         name = args.served_model_name or (args.model or "bundled")
-        run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, args.api_key)
+        sys.exit(run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, config))
     elif args.command == "bench":
         if args.which == "throughput":
             from minivllm.bench.throughput import main as run
@@ -124,6 +154,7 @@ def run_chat(args, input=input, output=sys.stdout) -> None:
     """A conversation in the terminal: each turn goes through the chat template with the
     whole history, and the answer streams as it is generated. /reset forgets, /exit ends."""
     from minivllm import LLM, SamplingParams
+    from minivllm.tokenizer import encode_chat
 
     llm = LLM(args.model)
     tokenizer = llm.get_tokenizer()
@@ -147,8 +178,8 @@ def run_chat(args, input=input, output=sys.stdout) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+        ids, text = encode_chat(tokenizer, messages)
+        prompt = {"prompt_token_ids": ids, "prompt": text}
         answer = []
         try:
             for delta in llm.stream(prompt, params):

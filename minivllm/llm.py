@@ -11,7 +11,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.tokenizer import load_tokenizer
+from minivllm.tokenizer import encode_chat, load_tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "bundled"
 ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device"}
@@ -168,9 +168,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+            # What the messages say stays text: a special token written in one is not a control token.
+            ids, text = encode_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):

@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -31,3 +31,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # Set when the engine failed this request alone (finish_reason "error"): what went wrong.
+    # The other requests of its batch are unaffected.
+    error: str | None = None

@@ -2,16 +2,25 @@
 
 The names and meanings follow vLLM's ``SamplingParams`` so code written for one runs on the
 other. A bad value fails here, at the caller, with the field's name and its allowed range,
-and never reaches the engine.
+and never reaches the engine: every number is checked for its type, for being finite and for
+its range, because a value the sampler cannot take (an ``inf`` temperature, a ``top_k`` past
+64 bits) would otherwise fail, or silently sample noise, inside a step that other requests
+share.
 """
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
+
+# A temperature below this is greedy. Dividing logits by a tiny temperature overflows to inf
+# (and inf - inf is NaN in the softmax); long before that, the distribution is one token.
+# vLLM raises such a temperature to 0.01 instead; at 0.01 the draw is greedy in practice.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 or -1 means no limit
-    top_p: float = 1.0
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
+    top_k: int = 0  # 0 or -1 means no limit; a k past the vocabulary keeps every token
+    top_p: float = 1.0  # the most likely token is always kept, however small top_p is
     min_p: float = 0.0
     seed: int | None = None  # per request: the same seed gives the same tokens whatever the batch
     max_tokens: int | None = 16  # None: until the model's length limit
@@ -21,39 +30,39 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top log-probabilities per token
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        if self.top_k == -1:
-            self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop", self.stop,
+               "a string or a list of strings")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               self.stop_token_ids, "a list of ints")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 1, or 0 / -1 for no limit")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               f"a finite number >= 0 (0, or below {MIN_TEMPERATURE}, means greedy)")
+        _check(_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an int >= 1, or 0 / -1 for no limit")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
         # A torch.Generator takes a 64-bit unsigned seed.
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
+        _check(self.seed is None or (_int(self.seed) and 0 <= self.seed < 2**64),
                "seed", self.seed, "an int in [0, 2**64), or None")
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            "max_tokens", self.max_tokens, "an int >= 1, or None",
-        )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an int >= 0")
+        _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "an int >= 1, or None")
+        _check(_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an int >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "ints >= 0")
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            "logprobs", self.logprobs, "an int in [0, 20], or None",
-        )
+        _check(all(_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "ints >= 0")
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               "logprobs", self.logprobs, "an int in [0, 20], or None")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class InvalidParameter(ValueError):
@@ -64,6 +73,18 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    """A finite int or float (not a bool, not NaN, not +-inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise InvalidParameter(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}", name)
+        shown = repr(value)
+        if len(shown) > 80:  # a 200,000-item list does not belong in an error message
+            shown = shown[:77] + "..."
+        raise InvalidParameter(f"SamplingParams.{name}={shown} is invalid: must be {allowed}", name)

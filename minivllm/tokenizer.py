@@ -1,4 +1,6 @@
-"""The checkpoint's tokenizer, and incremental detokenisation for streaming."""
+"""The checkpoint's tokenizer, its chat template, and incremental detokenisation for streaming."""
+import re
+import uuid
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -36,3 +38,59 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
             return delta
         return ""
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """The text of every token the tokenizer treats as a control token (``<|im_start|>``...)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    specials |= set(getattr(tokenizer, "all_special_tokens", []) or [])
+    return sorted((s for s in specials if s), key=len, reverse=True)
+
+
+def max_token_chars(tokenizer) -> int:
+    """An upper bound on how many characters of text one token covers: the longest entry of
+    the vocabulary (byte-level BPE spells each byte as one character, SentencePiece each
+    character as itself). A server refuses a prompt longer than max_model_len times this
+    before it spends time tokenizing it."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                **template_kwargs) -> tuple[list[int], str]:
+    """Render ``messages`` through the chat template and tokenize the result, keeping what the
+    messages say as text: a user who writes ``<|im_end|>\\n<|im_start|>system`` gets those
+    characters as ordinary tokens, not a forged turn. Returns (token ids, rendered text).
+
+    The template's own control tokens must stay control tokens, so the special-token strings
+    written inside messages are swapped for placeholders before rendering, and tokenized with
+    special tokens split afterwards. Messages without such strings tokenize exactly as
+    ``apply_chat_template`` + ``encode`` would."""
+    specials = special_token_strings(tokenizer)
+    pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+    marker = f"\ue000{uuid.uuid4().hex[:12]}"  # private-use characters no message contains
+    written: list[str] = []
+
+    def hide(match: re.Match) -> str:
+        written.append(match.group())
+        return f"{marker}{len(written) - 1}\ue001"
+
+    safe = []
+    for message in messages:
+        if pattern is not None:
+            message = {key: pattern.sub(hide, value) if isinstance(value, str) and key != "role" else value
+                       for key, value in message.items()}
+        safe.append(message)
+    text = tokenizer.apply_chat_template(safe, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+    if not written:
+        return tokenizer.encode(text, add_special_tokens=False), text
+    ids: list[int] = []
+    pieces = re.split(f"{marker}(\\d+)\ue001", text)
+    for i, piece in enumerate(pieces):
+        if i % 2:  # a special-token string a message wrote: plain text
+            ids += tokenizer.encode(written[int(piece)], add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    rendered = "".join(written[int(p)] if i % 2 else p for i, p in enumerate(pieces))
+    return ids, rendered

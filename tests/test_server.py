@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import random
+import threading
 import time
 from types import SimpleNamespace
 
@@ -227,10 +228,21 @@ def test_clients_that_disconnect_free_the_pool(server):
     wait_until_idle(engine)
     assert engine.num_aborted - aborted_before == 20, "each client that left must abort its own request"
 
-    # A non-streaming client that gives up (its read times out) is noticed too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "prompt": PROMPTS[0]},
-                   headers=AUTH, timeout=0.3)
+    # A non-streaming client that gives up (its read times out) is noticed too. The engine
+    # thread is held up meanwhile, so however fast this CPU is, the request cannot finish
+    # before its client is gone.
+    gate = threading.Event()
+    engine._executor.submit(gate.wait, 30)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "prompt": PROMPTS[0]},
+                       headers=AUTH, timeout=0.3)
+        deadline = time.monotonic() + 20
+        while engine._queues and time.monotonic() < deadline:  # until the server has seen it leave
+            time.sleep(0.02)
+    finally:
+        gate.set()
+    engine._executor.submit(lambda: None).result(timeout=30)  # jobs run in order: the add and abort are done
     wait_until_idle(engine)
     assert engine.num_aborted - aborted_before == 21
 
@@ -248,7 +260,7 @@ BAD = [
     ("chat too long", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}]},
      400, "messages"),
     ("prompt + max_tokens too long", "/v1/completions", {"model": MODEL, "prompt": [5] * 500, "max_tokens": 100}, 400,
-     "prompt"),
+     "max_tokens"),
     ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400,

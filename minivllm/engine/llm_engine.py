@@ -4,6 +4,7 @@ One ``step()`` = schedule → run the model on the batch → sample → update e
 (append its token, detokenise, check stop conditions) → free the blocks of those that
 finished. Everything a serving front end needs (streaming, aborts) is built on these calls.
 """
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,9 +16,12 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.stop_strings import StopStrings, stop_strings
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +62,13 @@ class Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     stop_reason: int | str | None = None
     stream: bool = False  # report every new token, not just the final output
+    # Worked out once at admission, not at every token: the ids that end the request, the
+    # ids banned before min_tokens, and the stop strings' automaton with its state.
+    stop_token_ids: frozenset[int] = frozenset()
+    banned: list[int] = field(default_factory=list)
+    stop_strings: StopStrings | None = None
+    stop_state: int = 0
+    error: str | None = None  # why the engine failed this request alone (finish_reason "error")
     # Copied once at admission and shared by every output of the request (read-only for
     # callers): a streaming request gets an output per token, and copying a long prompt into
     # each would cost O(prompt length) per token.
@@ -106,7 +117,7 @@ class LLMEngine:
         """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
         self._check_running()
         params = sampling_params or SamplingParams()
-        self.validate_prompt(prompt_token_ids)
+        banned = self.validate_request(prompt_token_ids, params)
         seq = Sequence(prompt_token_ids, params, request_id)
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
@@ -114,8 +125,10 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-        self.requests[seq.request_id] = Request(seq, prompt, detok, generator, stream=stream,
-                                                   prompt_token_ids=seq.prompt_token_ids)
+        self.requests[seq.request_id] = Request(
+            seq, prompt, detok, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids), banned=banned,
+            stop_strings=stop_strings(tuple(params.stop)) if params.stop else None)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -123,14 +136,29 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:  # first: it is O(1), the check below is not
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; this engine allows at most {self.max_model_len - 1} "
                 f"(max_model_len={self.max_model_len}, limited by the model and by a KV pool of "
                 f"{self.runner.num_kv_blocks} blocks x {self.config.block_size} tokens)"
             )
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError (InvalidParameter for a sampling field) for a request this engine
+        would refuse; return the ids it bans before min_tokens. Reads only fixed sizes, so it
+        is safe beside a running step."""
+        self.validate_prompt(token_ids)
+        # Before min_tokens, the ids that would end the request may not be drawn. An id the
+        # model cannot produce needs no banning (and would index past the logits).
+        vocab = self.runner.model_config.vocab_size
+        eos = set() if params.ignore_eos else self.eos_token_ids
+        banned = sorted({t for t in eos | set(params.stop_token_ids) if t < vocab}) if params.min_tokens else []
+        if len(banned) == vocab:
+            raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
+                                   "vocabulary: nothing could be sampled", "stop_token_ids")
+        return banned
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -178,7 +206,7 @@ class LLMEngine:
         rows = [i for i in range(len(batch)) if batch.completes(i)]
         params = [batch.seqs[i].sampling_params for i in rows]
         generators = [self.requests[batch.seqs[i].request_id].generator for i in rows]
-        banned = [self._banned_tokens(batch.seqs[i]) for i in rows]
+        banned = [self._banned_tokens(self.requests[batch.seqs[i].request_id]) for i in rows]
         kv_tokens_read = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         attention_pairs = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in zip(batch.seqs, batch.num_new_tokens))
         run_start = time.perf_counter()
@@ -192,7 +220,14 @@ class LLMEngine:
         for j, i in enumerate(rows):
             seq = batch.seqs[i]
             request = self.requests[seq.request_id]
-            self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+            if j in sampled.errors:
+                self._fail(request, sampled.errors[j])
+            else:
+                try:
+                    self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+                except Exception as e:  # e.g. its detokenizer: this request's problem alone
+                    logger.exception("processing the output of request %s failed", seq.request_id)
+                    self._fail(request, f"processing its output failed: {type(e).__name__}")
             if seq.is_finished:
                 finished.append(seq.seq_id)
                 del self.requests[seq.request_id]
@@ -221,15 +256,10 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _banned_tokens(self, seq: Sequence) -> list[int]:
+    def _banned_tokens(self, request: Request) -> list[int]:
         """Before min_tokens, the tokens that would end the request may not be drawn."""
-        params = seq.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
-            return []
-        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
-        # An id the model cannot produce needs no banning (and would index past the logits).
-        vocab = self.runner.model_config.vocab_size
-        return [t for t in eos + params.stop_token_ids if t < vocab]
+        seq = request.seq
+        return request.banned if seq.num_output_tokens < seq.sampling_params.min_tokens else []
 
     def _append_token(self, request: Request, token: int, logprobs) -> None:
         seq, params = request.seq, request.seq.sampling_params
@@ -248,20 +278,20 @@ class LLMEngine:
         reason = None
         if not params.ignore_eos and token in self.eos_token_ids and past_min:
             reason, request.stop_reason = "stop", None
-        elif token in params.stop_token_ids and past_min:
+        elif token in request.stop_token_ids and past_min:
             reason, request.stop_reason = "stop", token
         else:
             if request.detokenizer is not None:
                 before = len(request.text)
                 request.text += request.detokenizer.step(seq.output_token_ids)
-                if params.stop and past_min:
-                    for stop in params.stop:
-                        # Only a stop string that ends in the new text can be new.
-                        at = request.text.find(stop, max(0, before - len(stop) + 1))
-                        if at != -1:
-                            request.text = request.text[:at]
-                            reason, request.stop_reason = "stop", stop
-                            break
+                if request.stop_strings is not None:
+                    # The automaton reads every character, before min_tokens too, so that a
+                    # stop string straddling that point is still found once it counts.
+                    request.stop_state, at, stop = request.stop_strings.feed(
+                        request.stop_state, request.text, before, report=past_min)
+                    if at is not None:
+                        request.text = request.text[:at]
+                        reason, request.stop_reason = "stop", stop
             if reason is None and (
                 (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
                 or seq.num_tokens >= self.max_model_len
@@ -270,17 +300,23 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
+    def _fail(self, request: Request, error: str) -> None:
+        """End one request with finish_reason "error"; the rest of the batch goes on."""
+        request.error = error
+        if not request.seq.is_finished:
+            self.scheduler.finish(request.seq, "error")
+
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def _output(self, request: Request) -> RequestOutput:
         seq = request.seq
-        text, stop = request.text, seq.sampling_params.stop
-        if stop and not seq.is_finished:
+        text = request.text
+        if request.stop_strings is not None and not seq.is_finished:
             # The end of the text may be the start of a stop string that later tokens
             # complete, and then it is cut off: hold it back until that is ruled out, so a
             # stream never sends text it would have to take back.
-            text = text[: max(0, len(text) - max(map(len, stop)) + 1)]
+            text = text[: max(0, len(text) - request.stop_strings.hold_back)]
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -297,4 +333,5 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
+            error=request.error,
         )

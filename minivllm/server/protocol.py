@@ -31,8 +31,9 @@ class APIError(Exception):
 
 
 class Strict(BaseModel):
-    # strict: no "10" for 10, no true for 1; forbid: a misspelt field is an error, not ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: no "10" for 10, no true for 1; forbid: a misspelt field is an error, not ignored;
+    # no NaN or Infinity (JSON literals Python's parser takes, or 1e309) for a number.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):

@@ -11,11 +11,15 @@ argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, needs no cumul
 and no host sync, and with a per-request generator gives the same draw whatever else is in
 the batch.
 """
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+MIN_FLOAT32 = torch.finfo(torch.float32).tiny
 
 
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -49,6 +53,9 @@ class SamplerOutput:
     # Per row: (log-prob of the chosen token, its rank (1 = most likely), top-n token ids,
     # their log-probs), or None.
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    # Rows whose own parameters made sampling fail: row -> what went wrong. Their token is
+    # -1; the engine fails those requests alone.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -59,6 +66,29 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None = None,
     ) -> SamplerOutput:
+        try:
+            return self.sample(logits, params, generators, banned)
+        except Exception:
+            if len(params) == 1:
+                raise
+        # One row's values broke the batch (they passed validation, so this is a bug, but a
+        # bug one request must not turn into a failure for everyone): sample each row alone,
+        # and report the rows that fail by themselves.
+        out = SamplerOutput([], [])
+        for row in range(len(params)):
+            try:
+                one = self.sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1],
+                                  banned[row : row + 1] if banned else None)
+                out.token_ids += one.token_ids
+                out.logprobs += one.logprobs
+            except Exception as e:
+                logger.exception("sampling failed for batch row %d (%s)", row, params[row])
+                out.token_ids.append(-1)
+                out.logprobs.append(None)
+                out.errors[row] = f"sampling failed: {type(e).__name__}"
+        return out
+
+    def sample(self, logits, params, generators, banned) -> SamplerOutput:
         logits = logits.float()
         # Log-probabilities are reported as the model gave them, before any processing.
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -67,7 +97,7 @@ class Sampler:
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, ids] = float("-inf")
-        device = logits.device
+        device, vocab = logits.device, logits.shape[-1]
         # Per-row settings are decided on the host: no device round trip just to branch.
         greedy_rows = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
@@ -76,9 +106,14 @@ class Sampler:
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).to(device, non_blocking=True)
             scaled = logits / temperature.unsqueeze(-1)
             if any(p.top_k for p in params):
-                scaled = top_k_mask(scaled, torch.tensor([p.top_k for p in params], device=device))
+                # A k past the vocabulary keeps everything (and would not fit an int64).
+                scaled = top_k_mask(scaled, torch.tensor([min(p.top_k, vocab) for p in params], device=device))
             if any(p.top_p < 1 for p in params):
-                scaled = top_p_mask(scaled, torch.tensor([p.top_p for p in params], device=device))
+                # The most likely token's mass before it is exactly 0, so it survives any
+                # p > 0; a p that float32 rounds to 0 (1e-50) is raised to the smallest
+                # float32 above 0 to keep it so.
+                top_p = [max(p.top_p, MIN_FLOAT32) for p in params]
+                scaled = top_p_mask(scaled, torch.tensor(top_p, dtype=torch.float32, device=device))
             if any(p.min_p > 0 for p in params):
                 scaled = min_p_mask(scaled, torch.tensor([p.min_p for p in params], device=device))
             probs = scaled.softmax(dim=-1)

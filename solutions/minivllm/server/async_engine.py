@@ -27,6 +27,7 @@ Jobs run in the order they are submitted (one worker, one FIFO queue), which is 
 "add, then abort" safe even when the abort is submitted before the add has run.
 """
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +39,15 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
+logger = logging.getLogger(__name__)
+
+
 class EngineDeadError(RuntimeError):
     """A step raised: the engine's state can no longer be trusted, so it serves no more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (finish_reason "error") and went on with the others."""
 
 
 class AsyncLLMEngine:
@@ -55,6 +63,9 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self.error: BaseException | None = None
         self.num_aborted = 0  # requests aborted before they finished (clients that left)
+        # Called once, on the event loop, when the engine dies (a server stops itself then,
+        # so that a supervisor can restart it).
+        self.on_dead = None
 
     @classmethod
     def from_model(cls, model=None, **kwargs) -> "AsyncLLMEngine":
@@ -106,9 +117,15 @@ class AsyncLLMEngine:
                 self._dispatch(outputs)
                 # A step of a tiny model can take microseconds: give the HTTP side a turn.
                 await asyncio.sleep(0)
-        except Exception as e:  # a bug or a device error inside step(): fail loudly, everywhere
+        except Exception as e:
+            # Not one request's fault (those fail alone, inside step()): a bug or a device
+            # error, after which the engine's state cannot be trusted. Fail loudly: the
+            # traceback in the log, an error to every open request, nothing new accepted.
+            logger.exception("the engine step failed: the engine is dead and serves no more requests")
             self.error = e
-            self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+            self._fail_all(EngineDeadError("the engine stopped after an internal error (see the server log)"))
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to the queue of the request it belongs to."""
@@ -124,15 +141,16 @@ class AsyncLLMEngine:
     # -- requests ----------------------------------------------------------------------
 
     def check_health(self) -> None:
+        # What went wrong is in the log; a client is told only that it did.
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.error!r}")
+            raise EngineDeadError("the engine stopped after an internal error")
         if self._loop_task is not None and self._loop_task.done():
             raise EngineDeadError("the engine loop is not running")
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError for a prompt the engine would refuse. Reads only fixed sizes
+    def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request the engine would refuse. Reads only fixed sizes
         (vocabulary, max_model_len), so it is safe beside a running step."""
-        self.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_request(prompt_token_ids, sampling_params or SamplingParams())
 
     def _abort(self, request_id: str) -> None:
         """Runs in the engine thread."""
@@ -148,10 +166,12 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that gives it a token; the last one
         has ``finished=True``. Stop iterating early (or be cancelled) and the request is
-        aborted. A bad prompt raises ValueError before anything is queued."""
+        aborted. A bad prompt raises ValueError before anything is queued; a request the
+        engine fails alone raises RequestFailedError, and one cut short by the engine's death
+        EngineDeadError."""
         self.check_health()
         self.start()
-        self.validate(prompt_token_ids)
+        self.validate(prompt_token_ids, sampling_params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -162,7 +182,9 @@ class AsyncLLMEngine:
             submitted = self._in_engine_thread(
                 self.engine.add_request, prompt_token_ids, sampling_params, request_id, prompt, True)
             added = True  # from here on the add will run, even if we are cancelled while it waits
-            await submitted
+            # (shielded: cancelling the future of a job that has not started would take it
+            # off the engine thread's queue, and the abort below would find nothing to abort)
+            await asyncio.shield(submitted)
             self._work.set()
             while True:
                 output = await queue.get()
@@ -170,6 +192,8 @@ class AsyncLLMEngine:
                     finished = True  # nothing left to abort: the engine is gone
                     raise output
                 finished = output.finished
+                if output.error is not None:
+                    raise RequestFailedError(output.error)
                 yield output
                 if finished:
                     return
