@@ -232,3 +232,77 @@ def torch_threads(n: int = 1):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class ServeProcess:
+    """``minivllm serve`` in a process of its own on a free loopback port, for tests and
+    measurements that need the real thing (its exit status, its memory)::
+
+        with ServeProcess(["--api-key", "k"]) as server:
+            httpx.get(server.url + "/health")
+
+    ``prelude`` is Python run in that process before the command line (a test uses it to
+    plant a fault in the engine); ``cwd``, a checkout whose ``minivllm`` the process runs."""
+
+    def __init__(self, args: list[str] = (), prelude: str = "", env: dict | None = None, cwd: str | None = None,
+                 startup_s: float = 180):
+        import socket
+
+        with socket.socket() as sock:  # a free port (released again: a tiny race, fine for tests)
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.argv = ["serve", "--port", str(self.port), *args]
+        self.prelude, self.env, self.cwd, self.startup_s = prelude, env, cwd, startup_s
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServeProcess":
+        import os
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        import httpx
+
+        self.log_file = tempfile.TemporaryFile(mode="w+")
+        code = f"{self.prelude}\nfrom minivllm.cli import main\nmain({self.argv!r})\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(self.env or {})}, cwd=self.cwd)
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"minivllm serve exited with {self.proc.returncode} before it was up:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError(f"minivllm serve was not up after {self.startup_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self.log_file.seek(0)
+        return self.log_file.read()
+
+    def memory_mb(self, field: str = "VmHWM") -> float:
+        """The process's resident memory from /proc (VmHWM: its peak so far; VmRSS: now), in MB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise KeyError(field)
+
+    def __exit__(self, *exc) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
