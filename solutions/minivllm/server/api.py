@@ -214,10 +214,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     # -- endpoints ---------------------------------------------------------------------
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health():
         engine.check_health()
         return {"status": "ok"}
+
+    app.head("/health", include_in_schema=False)(health)  # probes that only want the status
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
