@@ -11,6 +11,7 @@ and no host sync, and with a per-request generator gives the same draw whatever 
 the batch.
 """
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -72,12 +73,16 @@ class Sampler:
     ) -> SamplerOutput:
         try:
             return self.sample(logits, params, generators, banned)
+        except NotImplementedError:
+            raise  # missing code (an exercise left blank) is nobody's request
         except Exception:
             if len(params) == 1:
                 raise
-        # One row's values broke the batch (they passed validation, so this is a bug, but a
-        # bug one request must not turn into a failure for everyone): sample each row alone,
-        # and report the rows that fail by themselves.
+            batch_error = sys.exc_info()
+        # One row's values may have broken the batch (they passed validation, so this is a
+        # bug, but a bug one request must not turn into a failure for everyone): sample each
+        # row alone, and report the rows that fail by themselves. If every row fails, no
+        # request is to blame: the batch's error is raised.
         out = SamplerOutput([], [])
         for row in range(len(params)):
             try:
@@ -85,11 +90,17 @@ class Sampler:
                                   banned[row : row + 1] if banned else None)
                 out.token_ids += one.token_ids
                 out.logprobs += one.logprobs
+            except NotImplementedError:
+                raise
             except Exception as e:
-                logger.exception("sampling failed for batch row %d (%s)", row, params[row])
                 out.token_ids.append(-1)
                 out.logprobs.append(None)
-                out.errors[row] = f"sampling failed: {type(e).__name__}"
+                out.errors[row] = (f"sampling failed: {type(e).__name__}", e)
+        if len(out.errors) == len(params):
+            raise batch_error[1]
+        for row, (_, e) in out.errors.items():
+            logger.error("sampling failed for batch row %d alone (%s)", row, params[row], exc_info=e)
+        out.errors = {row: message for row, (message, _) in out.errors.items()}
         return out
 
     def sample(self, logits, params, generators, banned) -> SamplerOutput:

@@ -123,7 +123,9 @@ class AsyncLLMEngine:
             # traceback in the log, an error to every open request, nothing new accepted.
             logger.exception("the engine step failed: the engine is dead and serves no more requests")
             self.error = e
-            self._fail_all(EngineDeadError("the engine stopped after an internal error (see the server log)"))
+            dead = EngineDeadError("the engine stopped after an internal error (see the server log)")
+            dead.__cause__ = e  # for a caller in this process (a test, a notebook); a client sees only the message
+            self._fail_all(dead)
             if self.on_dead is not None:
                 self.on_dead()
 
