@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.paged_attention import dot_precision
-
-CHUNK = 64
+from minivllm.kernels.common import CHUNK_SIZE, dot_precision
 
 
 # -- decode -----------------------------------------------------------------------------
@@ -286,13 +284,13 @@ def chunk_gated_delta_varlen(
     out = torch.empty_like(v)
     precision = dot_precision(v.dtype)
     group = num_v_heads // num_k_heads
-    max_chunks = triton.cdiv(max_seqlen, CHUNK)
+    max_chunks = triton.cdiv(max_seqlen, CHUNK_SIZE)
     bv_all = triton.next_power_of_2(dv)
     _chunk_prepare_kernel[(num_seqs * max_chunks, num_v_heads)](
         k, v, g, beta, cu_seqlens, w, u, gamma, max_chunks,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), gamma.stride(0),
-        DK=dk, DV=dv, GROUP=group, C=CHUNK, BK=dk, BV=bv_all, PRECISION=precision,
+        DK=dk, DV=dv, GROUP=group, C=CHUNK_SIZE, BK=dk, BV=bv_all, PRECISION=precision,
         num_stages=1,  # nothing to pipeline, and [64 x 128] float32 tiles fill shared memory
     )
     bv = min(bv_all, 32 if q.is_cuda else 16)
@@ -304,7 +302,7 @@ def chunk_gated_delta_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         gamma.stride(0), out.stride(0), out.stride(1),
         states.stride(0) if has_pool else 0, states.stride(1) if has_pool else 0, states.stride(2) if has_pool else 0,
-        DK=dk, DV=dv, GROUP=group, C=CHUNK, BK=dk, BV=bv, HAS_POOL=has_pool, PRECISION=precision,
+        DK=dk, DV=dv, GROUP=group, C=CHUNK_SIZE, BK=dk, BV=bv, HAS_POOL=has_pool, PRECISION=precision,
         num_stages=1,  # pipelining the chunk loop's loads would need more than 228 KB of shared memory
     )
     return out

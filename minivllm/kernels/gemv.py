@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.paged_attention import dot_precision
+from minivllm.kernels.common import dot_precision
 
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 

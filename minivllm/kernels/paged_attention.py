@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.common import dot_precision
+
 
 @triton.jit
 def _decode_kernel(
@@ -101,12 +103,6 @@ def _merge_kernel(
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs get true float32 products (the course checks float32 token for token
-    against transformers); half types use the tensor cores as they are."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
