@@ -22,7 +22,12 @@ from minivllm.kernels.common import dot_precision
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, weights_ptr,
+    a_ptr,  # [T, K] token rows (A_ROW_IS_TOKEN) or [T * top_k, K] assignment rows
+    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows)
+    out_ptr,  # [T * top_k, N]: one row per assignment
+    sorted_ids_ptr,  # [num_blocks * BLOCK_M]: assignments in expert order, T * top_k for padding
+    block_experts_ptr,  # [num_blocks]: each block's expert, -1 past the last
+    weights_ptr,  # [T * top_k] router weights (read only with MUL_WEIGHTS)
     num_assignments, N, K, top_k,
     stride_am, stride_we, stride_wn, stride_om,
     A_ROW_IS_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
