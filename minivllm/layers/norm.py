@@ -7,7 +7,7 @@ The math is the op ``minivllm.ops.norm.rms_norm``.
 import torch
 from torch import nn
 
-from minivllm.ops.norm import fused_add_rms_norm
+from minivllm.ops.norm import fused_add_rms_norm, gemma_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,3 +22,15 @@ class RMSNorm(nn.Module):
         """Without ``residual``: return norm(x). With it: add x into the residual
         stream first and return (norm(x + residual), x + residual)."""
         return fused_add_rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (also Qwen3.5's and Qwen3-Next's): x / rms(x) * (1 + weight), in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)

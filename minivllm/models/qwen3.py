@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
-from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
+from minivllm.layers.linear import QKVLinear, RowParallelLinear
+from minivllm.layers.mlp import GatedMLP
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 
@@ -56,15 +56,11 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+class Qwen3MLP(GatedMLP):
+    """SwiGLU, sized by the config."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.intermediate_size, "silu")
 
 
 class Qwen3DecoderLayer(nn.Module):

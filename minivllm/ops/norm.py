@@ -1,5 +1,6 @@
 """RMSNorm as an op: the torch reference (chapter 01) and, on a GPU, the fused Triton kernel
-(chapter 09) that also does the residual add."""
+(chapter 09) that also does the residual add; and Gemma's variant (chapter 11), which
+scales by 1 + weight and has no kernel."""
 import torch
 
 from minivllm.ops.dispatch import use_triton
@@ -33,3 +34,12 @@ def fused_add_rms_norm(
         return rms_norm(x, weight, eps)
     x = x + residual
     return rms_norm(x, weight, eps), x
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
+    # BEGIN SOLUTION ch11 "gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end"
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+    # END SOLUTION

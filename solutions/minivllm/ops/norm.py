@@ -1,9 +1,10 @@
 # Reference copy of minivllm/ops/norm.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: rms_norm (ch01).
+# Reference answers for: rms_norm (ch01), gemma_rms_norm (ch11).
 # Do not edit: change minivllm/ops/norm.py and run scripts/make_exercises.py again.
 
 """RMSNorm as an op: the torch reference (chapter 01) and, on a GPU, the fused Triton kernel
-(chapter 09) that also does the residual add."""
+(chapter 09) that also does the residual add; and Gemma's variant (chapter 11), which
+scales by 1 + weight and has no kernel."""
 import torch
 
 from minivllm.ops.dispatch import use_triton
@@ -35,3 +36,10 @@ def fused_add_rms_norm(
         return rms_norm(x, weight, eps)
     x = x + residual
     return rms_norm(x, weight, eps), x
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
