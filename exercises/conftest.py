@@ -2,7 +2,7 @@
 
 ``exercises/minivllm/`` holds a copy of each package file that has an exercise in it. While
 these tests run, an import hook makes every such module load from that copy: when any part
-of the engine does ``import minivllm.layers.norm``, it gets your ``rms_norm``. Every other
+of the engine does ``import minivllm.ops.norm``, it gets your ``rms_norm``. Every other
 module of ``minivllm`` comes from the package itself. With ``--solutions`` (or the
 environment variable ``MINIVLLM_GRADE=solutions``) the copies come from ``solutions/``
 instead, the reference answers.

@@ -1,7 +1,7 @@
 """Chapter 01 — the forward pass: RMSNorm and the SwiGLU gate.
 
-Your ``rms_norm`` (exercises/minivllm/layers/norm.py) and ``silu_and_mul``
-(exercises/minivllm/layers/activation.py) are compared with transformers' Qwen3RMSNorm and
+Your ``rms_norm`` (exercises/minivllm/ops/norm.py) and ``silu_and_mul``
+(exercises/minivllm/ops/activation.py) are compared with transformers' Qwen3RMSNorm and
 with plain float64 math on random inputs of many shapes and dtypes, then run inside a whole
 Qwen3 model whose logits must match transformers'.
 
@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.context import reset_context
-from minivllm.layers.activation import SiluAndMul, silu_and_mul
-from minivllm.layers.norm import RMSNorm, rms_norm
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.norm import RMSNorm
 from minivllm.loader import load_model
+from minivllm.ops.activation import silu_and_mul
+from minivllm.ops.norm import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rtol, atol) per dtype, see the module docstring.

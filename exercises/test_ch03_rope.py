@@ -1,6 +1,7 @@
 """Chapter 03 — rotary position embeddings.
 
-Your ``rope_inv_freq`` and ``apply_rotary`` (exercises/minivllm/layers/rotary.py) are
+Your ``rope_inv_freq`` (exercises/minivllm/layers/rotary.py) and ``apply_rotary``
+(exercises/minivllm/ops/rotary.py) are
 compared with transformers' Qwen3 RoPE (``compute_default_rope_parameters``,
 ``Qwen3RotaryEmbedding``, ``apply_rotary_pos_emb``) and with float64 math, for many head
 sizes, bases, positions and dtypes; then a Qwen3 model built on them must give
@@ -21,8 +22,9 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from minivllm.context import reset_context
-from minivllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from minivllm.layers.rotary import RotaryEmbedding, rope_inv_freq
 from minivllm.loader import load_model
+from minivllm.ops.rotary import apply_rotary
 from minivllm.testing import make_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -62,12 +62,16 @@ def _interpreted():
 
 @contextlib.contextmanager
 def kernel_errors():
-    """The interpreter wraps an exception raised inside a kernel; show the original."""
+    """The interpreter wraps an exception raised inside a kernel, once per @triton.jit
+    function it passes through (a kernel calling a helper: twice); show the original."""
     try:
         yield
     except Exception as e:
-        if type(e).__name__ == "InterpreterError" and e.__cause__ is not None:
-            raise e.__cause__ from None
+        original = e
+        while type(original).__name__ == "InterpreterError" and original.__cause__ is not None:
+            original = original.__cause__
+        if original is not e:
+            raise original from None
         raise
 
 

@@ -1,6 +1,6 @@
 """Chapter 11 — more model families: Gemma's RMSNorm and the sliding-window mask.
 
-Your ``gemma_rms_norm`` (exercises/minivllm/models/gemma3.py) is checked against
+Your ``gemma_rms_norm`` (exercises/minivllm/ops/norm.py) is checked against
 transformers' own ``Gemma3RMSNorm`` on random inputs and weights (weights near zero, as
 Gemma stores them, and far from it), in float32 and bfloat16 (Gemma rounds only once, at
 the very end: a norm that rounds earlier is off by a bf16 ulp somewhere). Your
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from minivllm.context import reset_context
-from minivllm.models.gemma3 import gemma_rms_norm
 from minivllm.ops.attention import sliding_window_attention
+from minivllm.ops.norm import gemma_rms_norm
 from minivllm.testing import make_tiny_checkpoint, torch_threads
 
 # --- Gemma's RMSNorm ----------------------------------------------------------------------

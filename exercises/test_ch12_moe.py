@@ -150,7 +150,7 @@ def test_group_by_expert_small_example():
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (21, 8, 2), (33, 16, 4)])
 def test_fused_kernel_with_your_grouping(tokens, experts, top_k):
-    from minivllm.kernels.fused_moe import fused_moe
+    from minivllm.ops.moe import fused_experts_triton as fused_moe
 
     hidden, inter = 32, 24
     g = torch.Generator().manual_seed(tokens)

@@ -23,7 +23,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 
 @pytest.mark.parametrize("tokens", [1, 8, 100, 2048])
 def test_fused_moe_real_shapes_bf16(tokens):
-    from minivllm.kernels.fused_moe import fused_moe
+    from minivllm.ops.moe import fused_experts_triton as fused_moe
 
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(tokens, HIDDEN, device=dev, dtype=dt)

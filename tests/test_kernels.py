@@ -132,7 +132,7 @@ def test_store_kvcache():
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(with_residual):
     from minivllm.kernels.elementwise import rms_norm
-    from minivllm.layers.norm import rms_norm as reference_norm
+    from minivllm.ops.norm import rms_norm as reference_norm
 
     hidden = 1024 if CUDA else 48
     x = torch.randn(37, hidden, device=DEVICE, dtype=DTYPE)
@@ -149,7 +149,7 @@ def test_rms_norm(with_residual):
 
 def test_silu_and_mul():
     from minivllm.kernels.elementwise import silu_and_mul
-    from minivllm.layers.activation import silu_and_mul as reference_silu
+    from minivllm.ops.activation import silu_and_mul as reference_silu
 
     inter = 3072 if CUDA else 40
     x = torch.randn(29, 2 * inter, device=DEVICE, dtype=DTYPE)
@@ -159,8 +159,9 @@ def test_silu_and_mul():
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_qk_norm_rope(with_norm):
     from minivllm.kernels.elementwise import qk_norm_rope
-    from minivllm.layers.norm import rms_norm as reference_norm
-    from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
+    from minivllm.layers.rotary import RotaryEmbedding
+    from minivllm.ops.norm import rms_norm as reference_norm
+    from minivllm.ops.rotary import apply_rotary
 
     heads, kv_heads, head_dim, _ = SHAPES[0]
     rotary = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(DEVICE)

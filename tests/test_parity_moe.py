@@ -226,7 +226,7 @@ def poisoned_empty(monkeypatch):
                                                                (37, 64, 24, 16, 4), (70, 32, 32, 4, 1)])
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_fused_moe_matches_reference(monkeypatch, tokens, hidden, inter, experts, top_k, block_m):
-    from minivllm.kernels.fused_moe import fused_moe
+    from minivllm.ops.moe import fused_experts_triton as fused_moe
 
     x = torch.randn(tokens, hidden)
     w_gate_up = torch.randn(experts, 2 * inter, hidden) * hidden**-0.5

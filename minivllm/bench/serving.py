@@ -23,7 +23,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from minivllm.distributed.processes import free_port
 
 
 @dataclass
@@ -141,12 +142,6 @@ def summarize(results: list[RequestResult], seconds: float, rate: float) -> dict
 
 
 # -- the whole benchmark ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: Path, port: int, name: str, extra: list[str], timeout_s: float = 900) -> subprocess.Popen:

@@ -9,12 +9,12 @@ the top level of a module), as spawned processes look it up afresh.
 import pickle
 import time
 import traceback
-from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
 
 from minivllm.distributed.parallel_state import backend_for, destroy_tensor_parallel, init_tensor_parallel
+from minivllm.distributed.processes import ProcessExited, free_port, get_from
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, device: str, fn, args, results, num_threads: int):
@@ -37,8 +37,6 @@ def run_on_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: flo
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``; an error on any rank is raised
     here with that rank's traceback. Each rank uses ``num_threads`` CPU threads (default:
     the caller's number)."""
-    from minivllm.engine.tp_worker import free_port
-
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -53,14 +51,11 @@ def run_on_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: flo
     try:
         while len(out) < world_size:
             try:
-                rank, kind, payload = results.get(timeout=0.5)
-            except Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s:.0f} s")
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a rank process exited with code {dead[0].exitcode}") from None
-                continue
+                rank, kind, payload = get_from(results, procs, deadline, poll_s=0.5, exit_ok=True)
+            except TimeoutError:
+                raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s:.0f} s") from None
+            except ProcessExited as e:
+                raise RuntimeError(f"a rank process exited with code {e.process.exitcode}") from None
             if kind == "error":
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{payload}")
             out[rank] = pickle.loads(payload)

@@ -20,7 +20,6 @@ others), so rank 0 leaves at once rather than after waiting for the workers to e
 failure nobody can be waited for: the ranks abort the group instead. The workers are daemon
 processes, so they also end with rank 0.
 """
-import socket
 import time
 import traceback
 import weakref
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.distributed.parallel_state import backend_for, destroy_tensor_parallel, init_tensor_parallel
+from minivllm.distributed.processes import ProcessExited, free_port, get_from
 from minivllm.engine.model_runner import ModelRunner, StepInputs
 
 # How long any rank waits for the others: to start (spawn, imports, loading weights) and
@@ -61,12 +61,6 @@ def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> 
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
                          f"this machine has {torch.cuda.device_count()}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, steps, reports, num_threads: int) -> None:
@@ -163,18 +157,15 @@ class TensorParallelRunner(ModelRunner):
         deadline = time.monotonic() + TIMEOUT_S
         while len(started) < len(self.workers):
             try:
-                kind, rank, text = self.reports.get(timeout=0.2)
-            except Empty:
-                dead = [w for w in self.workers if w.exitcode is not None]
-                if dead:
-                    raise RuntimeError(
-                        f"worker {dead[0].name} exited with code {dead[0].exitcode} before starting (workers are "
-                        "spawned: a script that builds a tensor-parallel LLM must do so under "
-                        "`if __name__ == '__main__':`)"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the workers did not start within {TIMEOUT_S:.0f} s") from None
-                continue
+                kind, rank, text = get_from(self.reports, self.workers, deadline, poll_s=0.2)
+            except ProcessExited as e:
+                raise RuntimeError(
+                    f"worker {e.process.name} exited with code {e.process.exitcode} before starting (workers are "
+                    "spawned: a script that builds a tensor-parallel LLM must do so under "
+                    "`if __name__ == '__main__':`)"
+                ) from None
+            except TimeoutError:
+                raise TimeoutError(f"the workers did not start within {TIMEOUT_S:.0f} s") from None
             if kind == "error":
                 raise RuntimeError(f"worker rank {rank} failed:\n{text}")
             started.add(rank)

@@ -1,8 +1,8 @@
 """Fused mixture of experts: every expert's feed-forward in two grouped-GEMM launches.
 
-The T*K (token, expert) assignments are first sorted by expert and each expert's run padded
-to BLOCK_M rows (``ops.moe.group_by_expert``), so each block of rows needs one expert's
-weights. One launch computes silu(x W_gate^T) * (x W_up^T) for every block (gate and up
+The T*K (token, expert) assignments arrive sorted by expert, each expert's run padded to
+BLOCK_M rows (the op does that: ``ops.moe.group_by_expert``), so each block of rows needs one
+expert's weights. One launch computes silu(x W_gate^T) * (x W_up^T) for every block (gate and up
 side by side in one program, SiLU-and-mul fused in, writing [T*K, I]); a second multiplies
 by W_down and by the router weight of each assignment ([T*K, H]); summing each token's K
 rows is the combine.
@@ -17,12 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.ops.moe import group_by_expert
+from minivllm.kernels.common import dot_precision
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, weights_ptr,
+    a_ptr,  # [T, K] token rows (A_ROW_IS_TOKEN) or [T * top_k, K] assignment rows
+    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows)
+    out_ptr,  # [T * top_k, N]: one row per assignment
+    sorted_ids_ptr,  # [num_blocks * BLOCK_M]: assignments in expert order, T * top_k for padding
+    block_experts_ptr,  # [num_blocks]: each block's expert, -1 past the last
+    weights_ptr,  # [T * top_k] router weights (read only with MUL_WEIGHTS)
     num_assignments, N, K, top_k,
     stride_am, stride_we, stride_wn, stride_om,
     A_ROW_IS_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
@@ -75,16 +80,16 @@ def block_config(num_assignments: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
 
 
-def _grouped_gemm(a, w, out, groups, weights, top_k, a_row_is_token, gated, mul_weights, config):
+def _grouped_gemm(a, w, out, sorted_ids, block_experts, weights, top_k, a_row_is_token, gated, mul_weights, config):
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    grid = (groups.block_experts.shape[0], triton.cdiv(n, config["BLOCK_N"]))
+    grid = (block_experts.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
-        a, w, out, groups.sorted_ids, groups.block_experts, weights,
+        a, w, out, sorted_ids, block_experts, weights,
         weights.numel(), n, k, top_k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_IS_TOKEN=a_row_is_token, GATED=gated, MUL_WEIGHTS=mul_weights,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(a.dtype),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         num_warps=config["num_warps"],
     )
@@ -95,23 +100,27 @@ def fused_moe(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    config: dict | None = None,
+    sorted_ids: torch.Tensor,
+    block_experts: torch.Tensor,
+    config: dict,
 ) -> torch.Tensor:
-    """The same result as ``ops.moe.experts_reference``, [T, H] in x's dtype."""
+    """The same result as ``ops.moe.experts_reference``, [T, H] in x's dtype, for the
+    assignments grouped by expert in blocks of config["BLOCK_M"] rows (``sorted_ids``,
+    ``block_experts``: see ``ops.moe.ExpertGroups``)."""
     tokens, hidden = x.shape
-    num_experts, two_inter, _ = w_gate_up.shape
-    top_k = topk_ids.shape[1]
+    two_inter = w_gate_up.shape[1]
+    top_k = topk_weights.shape[1]
     num_assignments = tokens * top_k
-    config = config or block_config(num_assignments, num_experts)
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-    groups = group_by_expert(topk_ids, num_experts, config["BLOCK_M"])
+    if sorted_ids.numel() != block_experts.numel() * config["BLOCK_M"]:
+        raise ValueError(f"sorted_ids ({sorted_ids.numel()} rows) must be block_experts ({block_experts.numel()}) "
+                         f"blocks of BLOCK_M={config['BLOCK_M']} rows")
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(num_assignments, two_inter // 2, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w_gate_up, inter, groups, weights, top_k, True, True, False, config)
+    _grouped_gemm(x, w_gate_up, inter, sorted_ids, block_experts, weights, top_k, True, True, False, config)
     down = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(inter, w_down, down, groups, weights, top_k, False, False, True, config)
+    _grouped_gemm(inter, w_down, down, sorted_ids, block_experts, weights, top_k, False, False, True, config)
     # The combine: each token's K weighted expert outputs, summed (in float32, then rounded).
     return down.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

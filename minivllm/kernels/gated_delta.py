@@ -9,7 +9,7 @@ Decode (one token per sequence): read S, update it, write it back, read one outp
   Memory-bound: the state is read and written once per token. One program per (sequence,
   value head, block of dv columns).
 
-Prefill, chunks of C = 64 tokens, two kernels:
+Prefill, chunks of C = 64 tokens (``kernels.common.CHUNK_SIZE``), two kernels:
   1. ``_chunk_prepare_kernel``, all chunks in parallel: build the chunk's [C, C] lower-
      triangular system A (beta_i (k_i . k_j) exp(gamma_i - gamma_j), j < i), invert I + A by
      forward substitution, and store U = (I + A)^-1 beta V and W = (I + A)^-1 beta exp(gamma) K
@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.paged_attention import dot_precision
-
-CHUNK = 64
+from minivllm.kernels.common import CHUNK_SIZE, dot_precision
 
 
 # -- decode -----------------------------------------------------------------------------
@@ -35,7 +33,12 @@ CHUNK = 64
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, w_ptr, state_ptr, slot_ptr, init_ptr, out_ptr,
+    x_ptr,  # [N, D]: one new input per sequence
+    w_ptr,  # [D, K]
+    state_ptr,  # [slots, D, K - 1]: each sequence's last K - 1 inputs, rolled in place
+    slot_ptr,  # [N]: each row's state slot, -1 for padding
+    init_ptr,  # [N]: 1 where the row continues from its slot's state, 0 to start from zeros
+    out_ptr,  # [N, D]
     D, stride_x, stride_o, stride_w, stride_ss, stride_sd,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -89,7 +92,15 @@ def causal_conv1d_update(
 
 @triton.jit
 def _recurrent_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, init_ptr, out_ptr,
+    q_ptr,  # [N, Hk, dk] (raw: normalised here)
+    k_ptr,  # [N, Hk, dk] (raw)
+    v_ptr,  # [N, Hv, dv]
+    g_ptr,  # [N, Hv] float32, log decay
+    beta_ptr,  # [N, Hv] float32
+    state_ptr,  # [slots, Hv, dk, dv] float32, updated in place
+    slot_ptr,  # [N]: each row's state slot, -1 for padding
+    init_ptr,  # [N]: 1 where the row continues from its slot's state, 0 to start from zeros
+    out_ptr,  # [N, Hv, dv]
     scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
@@ -168,7 +179,14 @@ def recurrent_gated_delta_step(
 
 @triton.jit
 def _chunk_prepare_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, w_ptr, u_ptr, gamma_ptr,
+    k_ptr,  # [T, Hk, dk] (raw)
+    v_ptr,  # [T, Hv, dv]
+    g_ptr,  # [T, Hv] float32, log decay
+    beta_ptr,  # [T, Hv] float32
+    cu_ptr,  # [num_seqs + 1]: where each sequence starts
+    w_ptr,  # [T, Hv, dk] float32, written
+    u_ptr,  # [T, Hv, dv] float32, written
+    gamma_ptr,  # [T, Hv] float32, written: cumulative log decay within the chunk
     MAX_CHUNKS,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     stride_wt, stride_wh, stride_ut, stride_uh, stride_gmt,
@@ -216,7 +234,16 @@ def _chunk_prepare_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, gamma_ptr, cu_ptr, state_ptr, slot_ptr, init_ptr, out_ptr,
+    q_ptr,  # [T, Hk, dk] (raw)
+    k_ptr,  # [T, Hk, dk] (raw)
+    w_ptr,  # [T, Hv, dk] float32, from _chunk_prepare_kernel
+    u_ptr,  # [T, Hv, dv] float32, from _chunk_prepare_kernel
+    gamma_ptr,  # [T, Hv] float32, from _chunk_prepare_kernel
+    cu_ptr,  # [num_seqs + 1]: where each sequence starts
+    state_ptr,  # [slots, Hv, dk, dv] float32 (read only with HAS_POOL)
+    slot_ptr,  # [num_seqs]: each sequence's state slot (with HAS_POOL)
+    init_ptr,  # [num_seqs]: 1 to continue from the slot's state, 0 to start from zeros (with HAS_POOL)
+    out_ptr,  # [T, Hv, dv]
     scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_gmt,
     stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
@@ -286,13 +313,13 @@ def chunk_gated_delta_varlen(
     out = torch.empty_like(v)
     precision = dot_precision(v.dtype)
     group = num_v_heads // num_k_heads
-    max_chunks = triton.cdiv(max_seqlen, CHUNK)
+    max_chunks = triton.cdiv(max_seqlen, CHUNK_SIZE)
     bv_all = triton.next_power_of_2(dv)
     _chunk_prepare_kernel[(num_seqs * max_chunks, num_v_heads)](
         k, v, g, beta, cu_seqlens, w, u, gamma, max_chunks,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), gamma.stride(0),
-        DK=dk, DV=dv, GROUP=group, C=CHUNK, BK=dk, BV=bv_all, PRECISION=precision,
+        DK=dk, DV=dv, GROUP=group, C=CHUNK_SIZE, BK=dk, BV=bv_all, PRECISION=precision,
         num_stages=1,  # nothing to pipeline, and [64 x 128] float32 tiles fill shared memory
     )
     bv = min(bv_all, 32 if q.is_cuda else 16)
@@ -304,7 +331,7 @@ def chunk_gated_delta_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         gamma.stride(0), out.stride(0), out.stride(1),
         states.stride(0) if has_pool else 0, states.stride(1) if has_pool else 0, states.stride(2) if has_pool else 0,
-        DK=dk, DV=dv, GROUP=group, C=CHUNK, BK=dk, BV=bv, HAS_POOL=has_pool, PRECISION=precision,
+        DK=dk, DV=dv, GROUP=group, C=CHUNK_SIZE, BK=dk, BV=bv, HAS_POOL=has_pool, PRECISION=precision,
         num_stages=1,  # pipelining the chunk loop's loads would need more than 228 KB of shared memory
     )
     return out

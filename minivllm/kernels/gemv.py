@@ -17,14 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.paged_attention import dot_precision
+from minivllm.kernels.common import dot_precision
 
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr,  # [M, K], M <= MAX_ROWS
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (read only with HAS_BIAS)
+    out_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -10,13 +10,19 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], each token's heads one contiguous row
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim], likewise
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous: row s is slot s
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], likewise
+    slot_ptr,  # [num_tokens]: each token's flat slot, -1 for padding
     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return  # a padding token: nothing to store
     offs = tl.arange(0, BLOCK)
-    mask = (offs < ROW) & ((offs * 0 + slot) >= 0)
+    mask = offs < ROW
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
     tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)

@@ -1,27 +1,32 @@
-"""Gated activations for the feed-forward block."""
+"""Gated activations for the feed-forward block: act(gate) * up, the math in ``ops.activation``."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from minivllm.ops.dispatch import use_triton
+from minivllm.ops.activation import ACTIVATIONS, act_and_mul
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: x holds [gate | up] side by side; return silu(gate) * up.
+class ActAndMul(nn.Module):
+    """x holds [gate | up]; returns act(gate) * up (``silu``: SwiGLU, ``gelu_tanh``: GeGLU)."""
 
-    The gate and up projections are packed into one matrix (one matmul instead of two),
-    so their outputs arrive concatenated along the last dimension.
-    """
-    # BEGIN SOLUTION ch01 "silu_and_mul: split x in half along the last dim into gate and up, return silu(gate) * up"
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-    # END SOLUTION
+    def __init__(self, activation: str = "silu"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
 
-
-class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
-            from minivllm.kernels.elementwise import silu_and_mul as silu_and_mul_kernel
+        return act_and_mul(x, self.activation)
 
-            return silu_and_mul_kernel(x)
-        return silu_and_mul(x)
+
+class SiluAndMul(ActAndMul):
+    """SwiGLU's gate: silu(gate) * up."""
+
+    def __init__(self):
+        super().__init__("silu")
+
+
+class GeluTanhAndMul(ActAndMul):
+    """GeGLU's gate (Gemma): gelu_tanh(gate) * up."""
+
+    def __init__(self):
+        super().__init__("gelu_tanh")

@@ -32,3 +32,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]."""
         return varlen_attention(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.sliding_window)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """Every attention layer of a model, in order: the layers a KV cache is attached to."""
+    return [m for m in model.modules() if isinstance(m, Attention)]

@@ -96,3 +96,17 @@ def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:
     if not ctx.is_prefill:
         return hidden_states
     return hidden_states[ctx.cu_seqlens_q[1:].long() - 1]
+
+
+class ScaledVocabEmbedding(VocabEmbedding):
+    """Embeddings times sqrt(hidden_size); the factor is cast to the weights' dtype first."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.scale = hidden_size**0.5
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Rounded on the host to the weights' dtype, then used as a Python number: no
+        # host-to-device copy, so the step can be captured in a CUDA graph.
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype).item()
+        return super().forward(input_ids) * scale

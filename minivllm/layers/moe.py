@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
-from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.linear import GateUpLinear, Linear, RowParallelLinear, split_rows
+from minivllm.layers.linear import Linear, split_rows
+from minivllm.layers.mlp import GatedMLP
 from minivllm.ops.moe import fused_experts
 
 
@@ -95,20 +95,6 @@ class StackedExperts(nn.Module):
             param.data[expert].narrow(0, part * n, n).copy_(loaded_weight.narrow(0, self.start, n))
 
 
-class SharedExpert(nn.Module):
-    """A dense SwiGLU feed-forward that every token goes through (split under tensor
-    parallelism like a dense MLP; its down projection adds the ranks' slices itself)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class SparseMoeBlock(nn.Module):
     """Route each token to its top-k experts and mix their outputs; with
     ``shared_expert_intermediate_size`` > 0 (Qwen3.5-MoE), add a gated shared expert."""
@@ -122,7 +108,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = None
         if shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
+            # A dense SwiGLU feed-forward that every token goes through (split under tensor
+            # parallelism like a dense MLP; its down projection adds the ranks' slices itself).
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, "silu")
             self.shared_expert_gate = Linear(hidden_size, 1)  # one scalar per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

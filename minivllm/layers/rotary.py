@@ -2,14 +2,15 @@
 
 Each pair of channels (i, i + d/2) of a query or key is rotated by the angle
 ``position * inv_freq[i]``. A dot product of a rotated query and key then depends only on
-their distance. The angles are precomputed once as a cos/sin cache indexed by position.
+their distance. The angles are precomputed once as a cos/sin cache indexed by position;
+the rotation itself is the op ``minivllm.ops.rotary``.
 """
 import math
 
 import torch
 from torch import nn
 
-from minivllm.ops.dispatch import use_triton
+from minivllm.ops.rotary import qk_norm_rope
 
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -38,18 +39,6 @@ def llama3_scale_inv_freq(
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x ([tokens, heads, rotary_dim]) by the angles whose cos and sin are given
-    ([tokens, rotary_dim / 2]). Channel i pairs with channel i + rotary_dim/2 (the "NeoX"
-    layout that Llama, Qwen and Gemma checkpoints use)."""
-    # BEGIN SOLUTION ch03 "apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + x1*sin)"
-    cos = cos.unsqueeze(-2)
-    sin = sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    # END SOLUTION
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,24 +72,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
-    @property
-    def is_full_power_of_two(self) -> bool:
-        """Whether the Triton kernel applies: every channel rotates and head_dim is a power of two."""
-        return self.rotary_dim == self.head_dim and not self.head_dim & (self.head_dim - 1)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens]).
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens])."""
-        if use_triton(q) and self.is_full_power_of_two:
-            from minivllm.kernels.elementwise import qk_norm_rope
-
-            return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions].to(q.dtype)
-        sin = self.sin_cache[positions].to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        # Partial rotary: only the first rotary_dim channels carry position.
-        rotated = apply_rotary(x[..., : self.rotary_dim], cos, sin)
-        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+        With ``q_norm`` and ``k_norm`` (RMSNorms over head_dim, Qwen3's q/k norm) each head
+        is normalised first: on a GPU the norms and the rotation are one fused kernel.
+        """
+        weights = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache, *weights)

@@ -15,56 +15,16 @@ Gemma's differences:
 - optional final logit softcapping: tanh(logits / cap) * cap.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention
-from minivllm.layers.embed_head import VocabEmbedding
-from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
+from minivllm.layers.embed_head import ScaledVocabEmbedding
+from minivllm.layers.linear import QKVLinear, RowParallelLinear
+from minivllm.layers.mlp import GatedMLP
+from minivllm.layers.norm import GemmaRMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.qwen3 import Qwen3ForCausalLM
-
-
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
-    # BEGIN SOLUTION ch11 "gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end"
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
-    # END SOLUTION
-
-
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
-
-
-class GeluTanhAndMul(nn.Module):
-    """GeGLU's gate: x holds [gate | up]; return gelu_tanh(gate) * up."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
-
-class ScaledVocabEmbedding(VocabEmbedding):
-    """Embeddings times sqrt(hidden_size); the factor is cast to the weights' dtype first."""
-
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__(vocab_size, hidden_size)
-        self.scale = hidden_size**0.5
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Rounded on the host to the weights' dtype, then used as a Python number: no
-        # host-to-device copy, so the step can be captured in a CUDA graph.
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype).item()
-        return super().forward(input_ids) * scale
 
 
 class Gemma3Attention(nn.Module):
@@ -112,22 +72,11 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
-        self.act_fn = GeluTanhAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Gemma3Attention(config, layer_idx)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "gelu_tanh")
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)

@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
-from minivllm.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
+from minivllm.layers.linear import QKVLinear, RowParallelLinear
+from minivllm.layers.mlp import GatedMLP
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.ops.dispatch import use_triton
 
 
 class Qwen3Attention(nn.Module):
@@ -33,10 +32,9 @@ class Qwen3Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        if config.qk_norm:
-            # Normalising each head's query and key keeps attention logits in range.
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # Normalising each head's query and key keeps attention logits in range.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             config.max_position_embeddings,
@@ -46,40 +44,23 @@ class Qwen3Attention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
-    def _qk_norm_weights(self) -> tuple:
-        if not hasattr(self, "q_norm"):
-            return ()
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if use_triton(q) and self.rotary_emb.is_full_power_of_two:
-            from minivllm.kernels.elementwise import qk_norm_rope
-
-            # One fused kernel: q/k norm and RoPE, reading q and k in place in qkv.
-            q, k = qk_norm_rope(q, k, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
-                                *self._qk_norm_weights())
-        else:
-            if hasattr(self, "q_norm"):
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
+        # q/k norm (where the config has it) and RoPE, in one step.
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v)
         return self.o_proj(out.flatten(1))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+class Qwen3MLP(GatedMLP):
+    """SwiGLU, sized by the config."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def __init__(self, config: ModelConfig):
+        super().__init__(config.hidden_size, config.intermediate_size, "silu")
 
 
 class Qwen3DecoderLayer(nn.Module):

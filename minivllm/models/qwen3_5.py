@@ -21,7 +21,7 @@ from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.layers.linear import Linear, PackedLinear, unsplit
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.models.gemma3 import GemmaRMSNorm
+from minivllm.layers.norm import GemmaRMSNorm
 from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 
 LINEAR, FULL = "linear_attention", "full_attention"

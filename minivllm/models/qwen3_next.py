@@ -22,7 +22,7 @@ from minivllm.config import ModelConfig
 from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.layers.moe import SparseMoeBlock
-from minivllm.models.gemma3 import GemmaRMSNorm
+from minivllm.layers.norm import GemmaRMSNorm
 from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from minivllm.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model, hybrid_layer_types
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM

@@ -1,4 +1,4 @@
-"""When to use a Triton kernel instead of the torch reference.
+"""When to use a Triton kernel instead of the torch reference (the rule in ``minivllm.ops``).
 
 On a CUDA device with Triton installed, the kernels run; everywhere else the reference
 does. ``MINIVLLM_DISABLE_TRITON=1`` forces the reference (to compare the two on a GPU).

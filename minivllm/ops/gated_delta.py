@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.context import Context
+from minivllm.kernels.common import CHUNK_SIZE
 from minivllm.ops.dispatch import use_triton
-
-CHUNK_SIZE = 64
 
 
 # -- one sequence (and one step), the math ---------------------------------------------

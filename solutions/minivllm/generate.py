@@ -13,11 +13,7 @@ import torch
 from torch import nn
 
 from minivllm.context import reset_context, set_context
-from minivllm.layers.attention import Attention
-
-
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+from minivllm.layers.attention import attention_layers
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, dtype: torch.dtype) -> int:

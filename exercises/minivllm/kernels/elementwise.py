@@ -21,7 +21,11 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr,  # [rows, n_cols]
+    res_ptr,  # [rows, n_cols] (read only with HAS_RESIDUAL)
+    w_ptr,  # [n_cols]
+    out_ptr,  # [rows, n_cols]
+    res_out_ptr,  # [rows, n_cols]: x + residual (written only with HAS_RESIDUAL)
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -69,7 +73,11 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr,  # [rows, 2 * n_cols]: [gate | up]
+    out_ptr,  # [rows, n_cols]
+    stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -95,7 +103,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_heads(
-    x_ptr, out_ptr, w_ptr, cos, sin, stride_xh, stride_oh, n_heads, eps,
+    x_ptr,  # [n_heads, 2 * HALF]: one token's heads of q or k
+    out_ptr,  # [n_heads, 2 * HALF]
+    w_ptr,  # [2 * HALF]: the norm's weight (read only with HAS_NORM)
+    cos, sin, stride_xh, stride_oh, n_heads, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """One token's heads of q (or k): optional per-head RMSNorm, then the NeoX rotation."""
@@ -121,7 +132,15 @@ def _norm_rope_heads(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr,  # [tokens, n_q_heads, head_dim], head_dim contiguous (a view into qkv)
+    k_ptr,  # [tokens, n_k_heads, head_dim], likewise
+    q_out_ptr,  # [tokens, n_q_heads, head_dim]
+    k_out_ptr,  # [tokens, n_k_heads, head_dim]
+    q_w_ptr,  # [head_dim]: q norm weight (read only with HAS_NORM)
+    k_w_ptr,  # [head_dim]: k norm weight (read only with HAS_NORM)
+    pos_ptr,  # [tokens]
+    cos_ptr,  # [max_position, head_dim / 2]
+    sin_ptr,  # [max_position, head_dim / 2]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     n_q_heads, n_k_heads, eps,
     HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, HAS_NORM: tl.constexpr,

@@ -51,13 +51,29 @@ def fused_experts(
     """The experts' mixed output for every token, [T, H] in x's dtype (see the module docstring)."""
     check_moe_shapes(x, w_gate_up, w_down, topk_weights, topk_ids)
     if moe_backend() == "fused" and use_triton(x):
-        from minivllm.kernels.fused_moe import fused_moe
-
-        return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_experts_triton(x, w_gate_up, w_down, topk_weights, topk_ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the reference MoE syncs with the host once per expert and cannot be captured "
                            "in a CUDA graph: run with enforce_eager=True")
     return experts_reference(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The fused path on any device Triton runs on: group the assignments by expert
+    (``group_by_expert``), then the two grouped-GEMM launches of ``kernels.fused_moe``.
+    ``config`` overrides the kernels' block sizes (``kernels.fused_moe.block_config``)."""
+    from minivllm.kernels import fused_moe as kernels
+
+    config = config or kernels.block_config(topk_ids.numel(), w_gate_up.shape[0])
+    groups = group_by_expert(topk_ids, w_gate_up.shape[0], config["BLOCK_M"])
+    return kernels.fused_moe(x, w_gate_up, w_down, topk_weights, groups.sorted_ids, groups.block_experts, config)
 
 
 def check_moe_shapes(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:

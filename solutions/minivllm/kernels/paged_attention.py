@@ -1,5 +1,5 @@
 # Reference copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: _decode_kernel (ch09).
+# Reference answers for: _online_softmax_update (ch09).
 # Do not edit: change minivllm/kernels/paged_attention.py and run scripts/make_exercises.py again.
 
 """Attention over the paged KV cache: a decode kernel and a prefill kernel.
@@ -16,18 +16,50 @@ One program handles one (sequence, kv head, split of the context); all query hea
 GQA group share each loaded K/V tile. Long contexts with few sequences are split so the
 GPU has enough programs; a second small kernel merges the splits' partial softmaxes.
 
-Prefill is compute-bound for long prompts: FLOPs ~ 2 * 2 * q_len * kv_len * heads * head_dim
-(halved by causality). One program handles BLOCK_M queries of one head of one sequence and
-walks the keys up to its causal limit; cached prefix tokens are just more keys.
+Prefill is compute-bound for long prompts:
+  bytes ~ 2 * q_len * num_heads * head_dim * dtype_size (q in, out once)
+          + 2 * kv_len * num_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M)
+          (each program, BLOCK_M queries of one head, reads K and V up to its causal
+          limit: about half of that in all, from L2 where its GQA group shares them)
+  FLOPs ~ 2 * 2 * q_len * kv_len * num_heads * head_dim (halved by causality)
+One program handles BLOCK_M queries of one head of one sequence and walks the keys up to its
+causal limit; cached prefix tokens are just more keys.
+
+Both kernels fold each tile of scores into the running softmax with one helper,
+``_online_softmax_update``.
 """
 import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.common import dot_precision
+
+
+@triton.jit
+def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
+    """Fold one tile into the running softmax of each row (a query): scores s [rows, keys]
+    (-inf where a key is not visible), values v [keys, head_dim]; m [rows] is the running
+    max, l [rows] the running sum, acc [rows, head_dim] the running weighted values.
+    Returns the new (m, l, acc)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    context_lens_ptr,  # [num_seqs] int32
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
     scale,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -64,13 +96,8 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
@@ -83,7 +110,9 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
+    out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -101,12 +130,6 @@ def _merge_kernel(
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs get true float32 products (the course checks float32 token for token
-    against transformers); half types use the tensor cores as they are."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
@@ -144,6 +167,10 @@ def paged_decode_attention(
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
+    # Block sizes: set by hand when the kernel was written, not autotuned and not from a
+    # sweep (kernels.gemv's come from scripts/tune_gemv.py; none exists for attention yet).
+    # A K/V tile is [BLOCK_N, head_dim]: halving BLOCK_N for wide heads bounds its size.
+    # ``minivllm bench kernels`` measures the result against the copy bandwidth.
     block_n = 64 if head_dim <= 128 else 32
     partition = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -170,7 +197,13 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_ptr, out_ptr,
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    context_lens_ptr,  # [num_seqs] int32: keys per sequence, cached prefix included
+    cu_seqlens_ptr,  # [num_seqs + 1] int32: where each sequence's queries start in q
+    out_ptr,  # [num_tokens, num_heads, head_dim]
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -216,15 +249,8 @@ def _prefill_kernel(
         if window > 0:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
@@ -254,6 +280,10 @@ def paged_prefill_attention(
         raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
     out = torch.empty_like(q)
     num_seqs = cu_seqlens_q.shape[0] - 1
+    # Block sizes: set by hand, not autotuned and not from a sweep (see paged_decode_attention).
+    # On the GPU 64 queries per program, and BLOCK_N halved past head_dim 64 to bound the
+    # [BLOCK_M, head_dim] + [BLOCK_N, head_dim] tiles; in the interpreter (CPU tests) small
+    # query tiles, so that short test sequences still span several of them.
     block_m = 64 if q.is_cuda else 16
     block_n = 64 if head_dim <= 64 or not q.is_cuda else 32
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)

@@ -26,23 +26,10 @@ slice. At world size 1 the slice is the whole tensor and there is no all-reduce.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
-from minivllm.ops.dispatch import use_triton
-
-GEMV_MAX_ROWS = 16  # up to this many rows, kernels.gemv beats a general GEMM
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b). Decode at a small batch on the GPU is a matrix times a few vectors,
-    bound by reading W: kernels.gemv; everything else: torch's GEMM."""
-    if use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-        from minivllm.kernels.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+from minivllm.ops.linear import linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

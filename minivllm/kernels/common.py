@@ -1,0 +1,13 @@
+"""What the kernel files share. No Triton import here: the ops read these on any machine."""
+import torch
+
+# The gated delta rule works in chunks of this many tokens: one tl.dot tile per chunk in
+# kernels.gated_delta, and the torch reference (ops.gated_delta) chunks the same way.
+CHUNK_SIZE = 64
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of every ``tl.dot``: float32 inputs get true float32 products (the
+    course checks float32 token for token against transformers); half types use the tensor
+    cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
