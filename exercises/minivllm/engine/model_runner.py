@@ -26,7 +26,7 @@ from minivllm.context import get_context, reset_context, set_context
 from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.state_pool import allocate_state_pools, state_layers, state_metadata
-from minivllm.generate import attention_layers
+from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import Sampler, SamplerOutput
 from minivllm.loader import load_model
 
