@@ -24,6 +24,9 @@ class Context:
     context_lens: torch.Tensor | None = None
     # Which cache blocks each sequence owns, shape [num_seqs, max_blocks], padded with -1.
     block_tables: torch.Tensor | None = None
+    # Which rows of the flat batch get next-token logits, shape [num_logits]: the last token
+    # of each sequence that samples this step. None: every sequence's last token.
+    logits_indices: torch.Tensor | None = None
     # Host-side bounds that size kernel launch grids without a device sync.
     max_seqlen_q: int = 0
     max_context_len: int = 0

@@ -72,6 +72,13 @@ def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
         for eager in (False, True):
             llm = LLM(str(path), dtype="float32", enforce_eager=eager, gpu_memory_utilization=0.1)
             results.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
+            if not eager:
+                # The decode steps of all n sequences ran in the padded graph, not eagerly
+                # (and sequences of other lengths finish early, so smaller graphs ran too).
+                replays = llm.engine.runner.graph_replays
+                padded = {3: 4, 5: 8, 17: 32}[n]
+                assert replays[padded] > 0, f"the graph of {padded} never replayed: {replays}"
+                assert sum(replays.values()) >= 19, replays  # 20 tokens: a prefill, then 19 decode steps
             del llm
         assert results[0] == results[1]
 

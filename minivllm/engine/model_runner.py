@@ -28,18 +28,35 @@ from minivllm.loader import load_model
 
 @dataclass
 class StepInputs:
-    """One step's inputs, still on the host: the flat int64 array ``prepare`` builds (input
-    ids, positions, slots, context lengths, cumulative lengths, block tables) and the sizes
-    that say how to slice it (``upload``). All that running the model on the step needs,
-    and small: it is what rank 0 sends the other ranks under tensor parallelism (chapter 16)."""
+    """One step's inputs, still on the host: one flat int64 array that ``prepare`` fills and
+    ``upload`` copies to the device in one go, and the sizes that say how it is cut into
+    fields (``fields``). All that running the model on the step needs, and small: it is what
+    rank 0 sends the other ranks under tensor parallelism (chapter 16)."""
 
     host: np.ndarray
     num_tokens: int
     num_seqs: int
-    width: int  # block-table columns
+    block_table_width: int  # columns of the block table: the most blocks any sequence holds
+    num_logits: int  # rows that get next-token logits (sequences that sample a token)
     is_prefill: bool
     max_seqlen_q: int
     max_context_len: int
+
+    @staticmethod
+    def sizes(num_tokens: int, num_seqs: int, block_table_width: int, num_logits: int) -> dict[str, int]:
+        """The fields of the flat array, in order, and their lengths."""
+        return {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
+                "context_lens": num_seqs, "cu_seqlens_q": num_seqs + 1, "logits_indices": num_logits,
+                "block_tables": num_seqs * block_table_width}
+
+    def fields(self, flat):
+        """``flat`` (this step's host array, or its copy on the device) cut into named views."""
+        views, start = {}, 0
+        for name, n in self.sizes(self.num_tokens, self.num_seqs, self.block_table_width, self.num_logits).items():
+            views[name] = flat[start : start + n]
+            start += n
+        views["block_tables"] = views["block_tables"].reshape(self.num_seqs, self.block_table_width)
+        return views
 
 
 WARMUP_MAX_SEQ_LEN = 1024
@@ -140,8 +157,10 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flatten the batch into input ids and positions, and set the step's Context."""
+    def prepare(self, batch: ScheduledBatch, rows_to_sample: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flatten the batch into input ids and positions, and set the step's Context: its
+        attention metadata and which rows get logits (the last token of each sequence in
+        ``rows_to_sample``; None: every sequence)."""
         input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -154,18 +173,20 @@ class ModelRunner:
             # END SOLUTION
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
-        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
+        rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
+        num_tokens, num_seqs, num_logits = len(input_ids), len(batch.seqs), len(rows)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        # Everything goes to the device in one copy: one int64 array, sliced into views.
-        host = np.full(3 * num_tokens + 2 * num_seqs + 1 + num_seqs * width, -1, dtype=np.int64)
-        host[: 3 * num_tokens] = input_ids + positions + slots
-        host[3 * num_tokens : 3 * num_tokens + 2 * num_seqs + 1] = context_lens + cu
-        tables = host[3 * num_tokens + 2 * num_seqs + 1 :][: num_seqs * width].reshape(num_seqs, width)
-        for row, seq in zip(tables, batch.seqs):
+        # Everything goes to the device in one copy: one int64 array, cut into named views.
+        host = np.full(sum(StepInputs.sizes(num_tokens, num_seqs, width, num_logits).values()), -1, dtype=np.int64)
+        step = StepInputs(host, num_tokens, num_seqs, width, num_logits, any(n > 1 for n in batch.num_new_tokens),
+                          max(batch.num_new_tokens), max(context_lens))
+        f = step.fields(host)
+        f["input_ids"][:], f["positions"][:], f["slot_mapping"][:] = input_ids, positions, slots
+        f["context_lens"][:], f["cu_seqlens_q"][:] = context_lens, cu
+        f["logits_indices"][:] = [cu[i + 1] - 1 for i in rows]  # each sampled sequence's last token
+        for row, seq in zip(f["block_tables"], batch.seqs):
             row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
-        input_ids, positions = self.upload(StepInputs(host, num_tokens, num_seqs, width,
-                                                      any(n > 1 for n in batch.num_new_tokens),
-                                                      max(batch.num_new_tokens), max(context_lens)))
+        input_ids, positions = self.upload(step)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
             ctx = get_context()
             ctx.state_slots, ctx.has_initial_state = self._to_device(state_metadata(batch.seqs))
@@ -173,18 +194,19 @@ class ModelRunner:
 
     def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a flattened step to the device and set its Context; return input ids and positions."""
-        dev = self._to_device(step.host)
-        t, s = step.num_tokens, step.num_seqs
+        f = step.fields(self._to_device(step.host))
         set_context(
             is_prefill=step.is_prefill,
-            cu_seqlens_q=dev[3 * t + s : 3 * t + 2 * s + 1],
-            slot_mapping=dev[2 * t : 3 * t],
-            context_lens=dev[3 * t : 3 * t + s],
-            block_tables=dev[3 * t + 2 * s + 1 :].view(s, step.width),
+            cu_seqlens_q=f["cu_seqlens_q"],
+            slot_mapping=f["slot_mapping"],
+            context_lens=f["context_lens"],
+            block_tables=f["block_tables"],
             max_seqlen_q=step.max_seqlen_q,
             max_context_len=step.max_context_len,
+            # Every sequence's last token is what the LM head takes by default: no gather.
+            logits_indices=None if step.num_logits == step.num_seqs else f["logits_indices"],
         )
-        return dev[:t], dev[t : 2 * t]
+        return f["input_ids"], f["positions"]
 
     def _to_device(self, host: np.ndarray) -> torch.Tensor:
         """One host-to-device copy for all of the step's metadata. (A pinned staging buffer
@@ -195,17 +217,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned) -> SamplerOutput | None:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``."""
-        input_ids, positions = self.prepare(batch)
-        logits = self.execute(input_ids, positions, rows_to_sample)
+        logits = self.execute(*self.prepare(batch, rows_to_sample))
         if logits is None:
             return None
         return self.sampler(logits, params, generators, banned)
 
     @torch.inference_mode()
-    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, rows_to_sample: list[int]) -> torch.Tensor | None:
-        """Run the model on an uploaded step (its Context set); return the logits of
-        ``rows_to_sample``, None when there are none. Under tensor parallelism every rank
-        runs this on the same step."""
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Run the model on an uploaded step (its Context set); return the logits of the rows
+        the Context names, None when it names none. Under tensor parallelism every rank runs
+        this on the same step, so every rank makes the same choice."""
         try:
             ctx = get_context()
             # (A decode step has one token per sequence: tokens = sequences.)
@@ -213,14 +234,11 @@ class ModelRunner:
                 hidden = self._replay(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
-            if not rows_to_sample:
-                return None
-            logits = self.model.compute_logits(hidden)
-            if len(rows_to_sample) != logits.shape[0]:
-                logits = logits[torch.tensor(rows_to_sample, device=logits.device)]
+            if ctx.logits_indices is not None and len(ctx.logits_indices) == 0:
+                return None  # no sequence samples this step (all mid-prefill)
+            return self.model.compute_logits(hidden)
         finally:
             reset_context()
-        return logits
 
     def shutdown(self) -> None:
         """Give the device memory back: the CUDA graphs (their pool holds the captured
@@ -240,24 +258,19 @@ class ModelRunner:
         """Capture one decode graph per batch size, largest first, sharing one memory pool.
 
         A graph replays fixed kernels on fixed addresses, so every input lives in a static
-        buffer that ``_replay`` fills before each replay. The attention kernels are sized
-        for max_model_len, the longest context any replay may see.
+        buffer (one per entry of GRAPH_INPUTS) that ``_replay`` fills before each replay.
+        The attention kernels are sized for max_model_len, the longest context any replay
+        may see.
         """
         self.graph_sizes = graph_batch_sizes(self.config.max_num_seqs)
         max_bs = self.graph_sizes[-1]
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "hidden": torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
-            "state_slots": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "has_initial_state": torch.zeros(max_bs, dtype=torch.long, device=dev),
-        }
+        self.static = {name: torch.full((max_bs, max_blocks) if name == "block_tables" else (max_bs,),
+                                        0 if pad is None else pad, dtype=dtype, device=dev)
+                       for name, dtype, pad in GRAPH_INPUTS}
+        self.static["cu_seqlens_q"] = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)  # one token each
+        self.static["hidden"] = torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev)
         s = self.static
         pool = None
         for bs in reversed(self.graph_sizes):
@@ -270,35 +283,53 @@ class ModelRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
             reset_context()
+        self.graph_replays = dict.fromkeys(self.graph_sizes, 0)  # how often each graph ran
 
     def _set_decode_context(self, bs: int) -> None:
         s = self.static
+        hybrid = bool(self.state_layers)
         set_context(
             is_prefill=False, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][:bs],
             context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs],
             max_seqlen_q=1, max_context_len=self.max_model_len,
-            state_slots=s["state_slots"][:bs] if self.state_layers else None,
-            has_initial_state=s["has_initial_state"][:bs] if self.state_layers else None,
+            state_slots=s["state_slots"][:bs] if hybrid else None,
+            has_initial_state=s["has_initial_state"][:bs] if hybrid else None,
         )
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[0]
         bs = padded_batch_size(n, self.graph_sizes)
         s, ctx = self.static, get_context()
-        s["input_ids"][:n] = input_ids
-        s["positions"][:n] = positions
-        s["slot_mapping"][:bs].fill_(-1)  # padding rows store nothing ...
-        s["slot_mapping"][:n] = ctx.slot_mapping
-        s["context_lens"][:bs].zero_()  # ... and attend to nothing
-        s["context_lens"][:n] = ctx.context_lens
-        width = ctx.block_tables.shape[1]
-        s["block_tables"][:n, :width] = ctx.block_tables
-        if self.state_layers:  # padding rows have no state slot: they read and write none
-            s["state_slots"][:bs].fill_(-1)
-            s["state_slots"][:n] = ctx.state_slots
-            s["has_initial_state"][:n] = ctx.has_initial_state
+        step = {"input_ids": input_ids, "positions": positions, "slot_mapping": ctx.slot_mapping,
+                "context_lens": ctx.context_lens, "block_tables": ctx.block_tables,
+                "state_slots": ctx.state_slots, "has_initial_state": ctx.has_initial_state}
+        for name, _, pad in GRAPH_INPUTS:
+            src = step[name]
+            if src is None:  # the state slots of a model without linear attention
+                continue
+            if pad is not None:
+                s[name][n:bs].fill_(pad)  # padding rows: see GRAPH_INPUTS
+            if name == "block_tables":
+                s[name][:n, : src.shape[1]] = src
+            else:
+                s[name][:n] = src
         self.graphs[bs].replay()
+        self.graph_replays[bs] += 1
         return s["hidden"][:n]
+
+
+# What a decode graph reads, each from a static buffer: (name, dtype, the value written to
+# the rows past the real batch, or None where a stale value is harmless). A padding row
+# stores nothing (slot -1), attends to nothing (context length 0), and has no state slot.
+GRAPH_INPUTS = [
+    ("input_ids", torch.long, None),
+    ("positions", torch.long, None),
+    ("slot_mapping", torch.long, -1),
+    ("context_lens", torch.int32, 0),
+    ("block_tables", torch.int32, None),
+    ("state_slots", torch.long, -1),
+    ("has_initial_state", torch.long, None),
+]
 
 
 # -- which batch sizes get a graph -----------------------------------------------------

@@ -73,9 +73,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, steps, report
             torch.cuda.set_device(rank)  # "cuda" in this process now means GPU number `rank`
         init_tensor_parallel(rank, config.tensor_parallel_size, init_method, backend_for(config.device), TIMEOUT_S)
         runner = ModelRunner(config)
-        while (message := steps.get()) is not None:
-            step, rows_to_sample = message
-            runner.execute(*runner.upload(step), rows_to_sample)
+        while (step := steps.get()) is not None:
+            runner.execute(*runner.upload(step))
         failed = False
     except BaseException:
         reports.put(("error", rank, traceback.format_exc()))
@@ -121,7 +120,6 @@ class TensorParallelRunner(ModelRunner):
             worker.start()
         # Runs on shutdown(), when the runner is garbage-collected, or at exit: whichever is first.
         self._stop = weakref.finalize(self, _stop, self.workers, self.steps)
-        self.rows_to_sample: list[int] = []
         try:
             self._wait_until_started()
             init_tensor_parallel(0, world_size, init_method, backend_for(config.device), TIMEOUT_S)
@@ -135,15 +133,14 @@ class TensorParallelRunner(ModelRunner):
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {dead} are not running{self._worker_errors()}")
-        # The workers must know whether this step computes logits: the LM head's all-gather
-        # is a collective, so either every rank calls it or none does.
-        self.rows_to_sample = rows_to_sample
         return super().run(batch, rows_to_sample, params, generators, banned)
 
     def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send the flattened step to every worker, then upload it here too."""
+        """Send the flattened step to every worker, then upload it here too. (The step says
+        which rows get logits: the LM head's all-gather is a collective, so either every
+        rank computes them or none does.)"""
         for queue in self.steps:
-            queue.put((step, self.rows_to_sample))
+            queue.put(step)
         return super().upload(step)
 
     def shutdown(self) -> None:

@@ -91,6 +91,8 @@ def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:
     """Only each sequence's last token predicts the next one: keep those rows.
     (In a pure decode step every row already is one.)"""
     ctx = get_context()
+    if ctx.logits_indices is not None:  # only some sequences sample this step
+        return hidden_states[ctx.logits_indices]
     if ctx.cu_seqlens_q is None:
         return hidden_states[-1:]
     if not ctx.is_prefill:
