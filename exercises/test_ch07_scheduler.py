@@ -58,7 +58,7 @@ class FakeEngine:
             )
         check_batch(self, batch, running_before)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            done = batch.completes(i)
+            done = batch.samples(i)
             seq.num_computed_tokens += n
             self.bm.commit_full_blocks(seq)
             if done:

@@ -42,7 +42,7 @@ class FakeEngine:
         if not batch.seqs:
             assert not s.waiting or s.running, f"stuck: {s.waiting[0]} cannot be admitted into an idle engine"
         self.check_batch(batch)
-        completes = [batch.completes(i) for i in range(len(batch))]
+        completes = [batch.samples(i) for i in range(len(batch))]
         self.chunked |= not all(completes)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             # The "attention" reads every cached token before this step's: each must hold

@@ -29,7 +29,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.state_slot: int | None = None  # hybrid models: the slot of its recurrent state
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []
         self.num_preemptions = 0
 
     def __len__(self) -> int:

@@ -33,8 +33,8 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def completes(self, i: int) -> bool:
-        """Does sequence i reach its last token this step (and so get a new token sampled)?"""
+    def samples(self, i: int) -> bool:
+        """Does sequence i get a new token sampled this step (it reaches its last token)?"""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
