@@ -23,15 +23,13 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from minivllm.distributed.processes import free_port
+from minivllm.testing import ServeProcess
 
 
 @dataclass
@@ -144,29 +142,6 @@ def summarize(results: list[RequestResult], seconds: float, rate: float) -> dict
 # -- the whole benchmark ---------------------------------------------------------------
 
 
-def start_server(model: Path, port: int, name: str, extra: list[str], timeout_s: float = 900) -> subprocess.Popen:
-    """``minivllm serve`` in a process of its own; returns once /health answers."""
-    import httpx
-
-    command = [sys.executable, "-m", "minivllm.cli", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", name, *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    server = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it answered: {' '.join(command)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
-
-
 def run_offline(model: Path, prompts, output_lens, llm_args: dict) -> dict:
     """The same requests through ``LLM.generate``, all at once: the throughput ceiling."""
     from minivllm import LLM, SamplingParams
@@ -216,11 +191,11 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
 
     offline = run_offline(path, prompts, output_lens, llm_args)
 
-    port, name = free_port(), "bench"
-    extra = [f"--{k.replace('_', '-')}={v}" for k, v in llm_args.items()]
-    server = start_server(path, port, name, extra)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    name = "bench"
+    args = ["--model", str(path), "--served-model-name", name, *(f"--{k.replace('_', '-')}={v}" for k, v in llm_args.items())]
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    with ServeProcess(args, env=env, startup_s=900) as server:
+        url = server.url
         # Warm-up at the workload's prompt lengths (kernel specialisations compile here).
         warm = [p[::-1] for p in prompts[:16]]
         asyncio.run(run_load(url, name, warm, [4] * len(warm), math.inf, seed))
@@ -230,9 +205,6 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
             runs.append(summarize(results, seconds, rate))
             print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
                   f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     device = torch.cuda.get_device_name() if cuda else "CPU"
     report = {
         "device": device,
