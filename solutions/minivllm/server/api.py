@@ -212,6 +212,20 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         # serving everyone else meanwhile (the tokenizer lets go of the GIL while it works).
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
 
+    async def parse(request: Request, model):
+        """The request's body as ``model`` and its SamplingParams, every check passed."""
+        body = parse_request(await read_body(request), model)
+        check_model(body.model)
+        check_stops(body)
+        return body, to_sampling_params(body)
+
+    async def respond(outputs, request: Request, head: dict, choice):
+        """A non-streaming answer: the request run to its end."""
+        output = await final_output(outputs, request)
+        if output is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        return {**head, "choices": [choice(output)], "usage": usage(output)}
+
     # -- endpoints ---------------------------------------------------------------------
 
     @app.get("/health")
@@ -230,10 +244,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body = parse_request(await read_body(request), CompletionRequest)
-        check_model(body.model)
-        check_stops(body)
-        params = to_sampling_params(body)
+        body, params = await parse(request, CompletionRequest)
         ids, text = (await encode(body.prompt), body.prompt) if isinstance(body.prompt, str) else (body.prompt, None)
         check_prompt(ids, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -249,17 +260,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
         if body.stream:
             return EventStream(stream_events(outputs, head, choice, body.stream_options))
-        output = await final_output(outputs, request)
-        if output is None:
-            return Response(status_code=499)  # the client left; nobody reads this
-        return {**head, "choices": [choice(output)], "usage": usage(output)}
+        return await respond(outputs, request, head, choice)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_request(await read_body(request), ChatCompletionRequest)
-        check_model(body.model)
-        check_stops(body)
-        params = to_sampling_params(body)
+        body, params = await parse(request, ChatCompletionRequest)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
@@ -287,10 +292,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             return EventStream(stream_events(outputs, head, lambda *a: choice(*a, stream=True), body.stream_options,
                                              first=first))
-        output = await final_output(outputs, request)
-        if output is None:
-            return Response(status_code=499)
-        return {**head, "choices": [choice(output)], "usage": usage(output)}
+        return await respond(outputs, request, head, choice)
 
     app.include_router(v1)
 
