@@ -99,11 +99,15 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=Qwen3MLP):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, make_mlp) for t in hybrid_layer_types(config))
+        self.layers = nn.ModuleList(self.make_layer(config, i, t) for i, t in enumerate(hybrid_layer_types(config)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
+        """Decoder layer ``layer_idx``, of ``layer_type``. A family whose layers differ overrides this."""
+        return Qwen3_5DecoderLayer(config, layer_type)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
