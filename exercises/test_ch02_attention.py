@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from transformers.models.qwen3.modeling_qwen3 import repeat_kv
 
 from minivllm.context import reset_context, set_context
-from minivllm.generate import ContiguousKVCache
+from minivllm.contiguous_cache import ContiguousKVCache
 from minivllm.loader import load_model
 from minivllm.ops.attention import causal_attention, varlen_attention
 

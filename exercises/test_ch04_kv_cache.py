@@ -1,6 +1,6 @@
 """Chapter 04 — the size of a KV cache.
 
-Your ``kv_cache_bytes`` (exercises/minivllm/generate.py) is compared with the bytes of
+Your ``kv_cache_bytes`` (exercises/minivllm/contiguous_cache.py) is compared with the bytes of
 tensors of the same shape and dtype (on the ``meta`` device, so nothing is allocated), for
 random shapes and every dtype from float64 down to float8; then with what the package
 really allocates: the contiguous cache of this chapter and the engine's paged KV pool; and
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from minivllm.generate import ContiguousKVCache, kv_cache_bytes
+from minivllm.contiguous_cache import ContiguousKVCache, kv_cache_bytes
 from minivllm.loader import load_model
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

@@ -51,7 +51,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     continue  # the vision tower or the multi-token-prediction head
                 if text_name.endswith(IGNORED_SUFFIXES) or (tied and text_name == "lm_head.weight"):
                     continue
-                name, shard_id = _our_name(text_name, packed, experts)
+                name, shard_id = _param_name_and_shard(text_name, packed, experts)
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
                 param = params[name]
@@ -72,7 +72,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
 
 
-def _our_name(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
+def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
     match = EXPERT_TENSOR.match(ckpt_name)
     if match and match["proj"] in experts:
         our_part, part = experts[match["proj"]]

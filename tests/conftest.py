@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minivllm.testing import make_tiny_checkpoint
+from minivllm.testing import make_tiny_checkpoint, torch_threads
+
+# The tiny checkpoints below are written once per session: tests only read them.
 
 
 @pytest.fixture(scope="session")
@@ -17,10 +20,37 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_with_tokenizer(tmp_path_factory):
+    """The same weights as ``tiny_qwen3``, with a tokenizer, for tests that pass text."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3-tokenizer"), family="qwen3", seed=0, with_tokenizer=True)
+
+
+HYBRID_SEEDS = {"qwen3_5": 3, "qwen3_5_moe": 4, "qwen3_next": 8}
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoint(tmp_path_factory):
+    """``hybrid_checkpoint(family)``: the tiny checkpoint of a hybrid family, written on first use."""
+
+    @functools.cache
+    def make(family: str):
+        return make_tiny_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=HYBRID_SEEDS[family])
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one CPU thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    a tiny model's matmuls are too short to pay for waking a thread pool."""
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
-
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine import block_manager as bm_module
-from minivllm.testing import make_tiny_checkpoint, torch_threads
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,20 +36,12 @@ PROMPTS = make_prompts()
 LONGEST = max(len(p) for p in PROMPTS)  # 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("parity-qwen3"), family="qwen3", seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+def reference(tiny_qwen3) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -60,8 +51,8 @@ def reference(checkpoint) -> list[list[int]]:
     return out
 
 
-def run(checkpoint, **engine_args):
-    llm = LLM(model=str(checkpoint), record_trace=True, **engine_args)
+def run(tiny_qwen3, **engine_args):
+    llm = LLM(model=str(tiny_qwen3), record_trace=True, **engine_args)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     return llm, outputs
@@ -100,8 +91,8 @@ def cache_hits(llm) -> int:
     return sum(record.cache_hit_tokens for record in llm.engine.trace)
 
 
-def test_ample_blocks(checkpoint, reference):
-    llm, outputs = run(checkpoint, num_kv_blocks=256, block_size=16)
+def test_ample_blocks(tiny_qwen3, reference):
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=256, block_size=16)
     assert tokens(outputs) == reference
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert not was_preempted(llm)
@@ -110,24 +101,24 @@ def test_ample_blocks(checkpoint, reference):
     check_trace(llm)
 
 
-def test_preemption(checkpoint, reference):
+def test_preemption(tiny_qwen3, reference):
     # 8 blocks of 8 = 64 slots: the longest request (48 + 10 tokens) fits alone, the batch does not.
-    llm, outputs = run(checkpoint, num_kv_blocks=8, block_size=8)
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=8, block_size=8)
     assert LONGEST + MAX_TOKENS <= llm.engine.max_model_len == 64
     assert was_preempted(llm)
     assert tokens(outputs) == reference
     check_trace(llm)
 
 
-def test_chunked_prefill(checkpoint, reference):
-    llm, outputs = run(checkpoint, num_kv_blocks=256, block_size=16, max_num_batched_tokens=16)
+def test_chunked_prefill(tiny_qwen3, reference):
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=256, block_size=16, max_num_batched_tokens=16)
     assert was_chunked(llm) and not was_preempted(llm)
     assert tokens(outputs) == reference
     check_trace(llm)
 
 
-def test_prefix_caching(checkpoint, reference):
-    llm, outputs = run(checkpoint, num_kv_blocks=256, block_size=8, max_num_seqs=4)
+def test_prefix_caching(tiny_qwen3, reference):
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=256, block_size=8, max_num_seqs=4)
     assert tokens(outputs) == reference
     # Later requests with the shared prefix found it in the cache.
     assert any(o.num_cached_tokens > 0 for o in outputs)
@@ -141,34 +132,34 @@ def test_prefix_caching(checkpoint, reference):
     check_trace(llm)
 
 
-def test_no_prefix_caching(checkpoint, reference):
-    llm, outputs = run(checkpoint, num_kv_blocks=256, block_size=8, max_num_seqs=4, enable_prefix_caching=False)
+def test_no_prefix_caching(tiny_qwen3, reference):
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=256, block_size=8, max_num_seqs=4, enable_prefix_caching=False)
     assert tokens(outputs) == reference
     assert all(o.num_cached_tokens == 0 for o in outputs) and cache_hits(llm) == 0
     check_trace(llm)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 32])
-def test_block_sizes(checkpoint, reference, block_size):
-    llm, outputs = run(checkpoint, num_kv_blocks=4096 // block_size, block_size=block_size, max_num_seqs=6)
+def test_block_sizes(tiny_qwen3, reference, block_size):
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=4096 // block_size, block_size=block_size, max_num_seqs=6)
     assert tokens(outputs) == reference
     # The shared prefix is 24 tokens: whole blocks of 1 or 2 are shared, blocks of 32 never fill.
     assert (cache_hits(llm) > 0) == (block_size < 24)
     check_trace(llm)
 
 
-def test_everything_at_once(checkpoint, reference):
+def test_everything_at_once(tiny_qwen3, reference):
     """A small pool, a small token budget and prefix caching together."""
-    llm, outputs = run(checkpoint, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12, max_num_seqs=6)
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12, max_num_seqs=6)
     assert was_preempted(llm) and was_chunked(llm) and cache_hits(llm) > 0
     assert tokens(outputs) == reference
     check_trace(llm)
 
 
-def test_colliding_hashes_do_not_change_outputs(checkpoint, reference, monkeypatch):
+def test_colliding_hashes_do_not_change_outputs(tiny_qwen3, reference, monkeypatch):
     """Every block hashing alike makes every lookup a collision; outputs must not change."""
     monkeypatch.setattr(bm_module, "block_hash", lambda token_ids, parent_hash: 1)
-    llm, outputs = run(checkpoint, num_kv_blocks=64, block_size=8, max_num_seqs=4)
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=64, block_size=8, max_num_seqs=4)
     assert tokens(outputs) == reference
     assert cache_hits(llm) > 0  # some lookups were real hits
     check_trace(llm)

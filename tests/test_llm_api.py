@@ -15,26 +15,18 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.llm import BUNDLED_MODEL
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("api-qwen3"), seed=0, with_tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(model=str(checkpoint), num_kv_blocks=128, block_size=8)
+def llm(tiny_qwen3_with_tokenizer):
+    return LLM(model=str(tiny_qwen3_with_tokenizer), num_kv_blocks=128, block_size=8)
 
 
 def test_prompt_forms_and_order(llm):
@@ -124,13 +116,13 @@ def test_stream_deltas_add_up_to_the_generated_text(llm):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_engine_arguments_are_checked(checkpoint):
+def test_engine_arguments_are_checked(tiny_qwen3_with_tokenizer):
     with pytest.raises(ValueError, match="max_num_seq"):
-        LLM(model=str(checkpoint), max_num_seq=4)  # a typo of max_num_seqs
+        LLM(model=str(tiny_qwen3_with_tokenizer), max_num_seq=4)  # a typo of max_num_seqs
     with pytest.raises(ValueError, match="block_size"):
-        LLM(model=str(checkpoint), block_size=0)
+        LLM(model=str(tiny_qwen3_with_tokenizer), block_size=0)
     with pytest.raises(ValueError, match="dtype"):
-        LLM(model=str(checkpoint), dtype="float8")
+        LLM(model=str(tiny_qwen3_with_tokenizer), dtype="float8")
     with pytest.raises(ValueError, match="no/such/folder/here"):
         LLM(model="no/such/folder/here")
 
@@ -166,11 +158,11 @@ def populate_hub_cache(cache: Path, repo_id: str, files: Path) -> str:
     return commit
 
 
-def test_hub_id_resolves_through_the_cache(checkpoint, tmp_path, monkeypatch):
+def test_hub_id_resolves_through_the_cache(tiny_qwen3_with_tokenizer, tmp_path, monkeypatch):
     import huggingface_hub.constants as hub_constants
 
     home = tmp_path / "hf"
-    commit = populate_hub_cache(home / "hub", "tiny-org/tiny-qwen3", checkpoint)
+    commit = populate_hub_cache(home / "hub", "tiny-org/tiny-qwen3", tiny_qwen3_with_tokenizer)
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -181,7 +173,7 @@ def test_hub_id_resolves_through_the_cache(checkpoint, tmp_path, monkeypatch):
 
     llm = LLM(model="tiny-org/tiny-qwen3", num_kv_blocks=32)
     assert Path(llm.engine.config.model).parts[-2:] == ("snapshots", commit)
-    local = LLM(model=str(checkpoint), num_kv_blocks=32)
+    local = LLM(model=str(tiny_qwen3_with_tokenizer), num_kv_blocks=32)
     prompts = ["Hello, world!", [3, 1, 4, 1, 5]]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in local.generate(prompts, GREEDY, use_tqdm=False)]
@@ -240,13 +232,13 @@ def small_pool_args():
 
 
 @pytest.fixture(scope="module")
-def clean_run(checkpoint, small_pool_args):
-    return run_engine(LLM(model=str(checkpoint), **small_pool_args), REQUESTS)
+def clean_run(tiny_qwen3_with_tokenizer, small_pool_args):
+    return run_engine(LLM(model=str(tiny_qwen3_with_tokenizer), **small_pool_args), REQUESTS)
 
 
-def test_bad_requests_leave_the_others_alone(checkpoint, small_pool_args, clean_run):
+def test_bad_requests_leave_the_others_alone(tiny_qwen3_with_tokenizer, small_pool_args, clean_run):
     assert sorted(clean_run) == ["a", "b", "c", "d"]
-    llm = LLM(model=str(checkpoint), **small_pool_args)
+    llm = LLM(model=str(tiny_qwen3_with_tokenizer), **small_pool_args)
     assert llm.engine.max_model_len == 64
     bad = [
         ([1] * 64, "max_model_len=64"),  # as long as the limit: no room for a token
@@ -269,26 +261,26 @@ def test_bad_requests_leave_the_others_alone(checkpoint, small_pool_args, clean_
     assert not engine.has_unfinished_requests()
 
     # Bad requests arriving mid-run.
-    llm = LLM(model=str(checkpoint), **small_pool_args)
+    llm = LLM(model=str(tiny_qwen3_with_tokenizer), **small_pool_args)
     done = run_engine(llm, REQUESTS, bad=bad)
     assert done == clean_run
 
 
-def test_max_model_len_is_enforced(checkpoint):
-    llm = LLM(model=str(checkpoint), num_kv_blocks=64, block_size=8, max_model_len=20)
+def test_max_model_len_is_enforced(tiny_qwen3_with_tokenizer):
+    llm = LLM(model=str(tiny_qwen3_with_tokenizer), num_kv_blocks=64, block_size=8, max_model_len=20)
     with pytest.raises(ValueError, match="max_model_len=20"):
         llm.generate([[1] * 20], GREEDY, use_tqdm=False)
     [out] = llm.generate([[1] * 15], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
-def test_abort_mid_run(checkpoint, small_pool_args, clean_run):
-    llm = LLM(model=str(checkpoint), **small_pool_args)
+def test_abort_mid_run(tiny_qwen3_with_tokenizer, small_pool_args, clean_run):
+    llm = LLM(model=str(tiny_qwen3_with_tokenizer), **small_pool_args)
     done = run_engine(llm, REQUESTS, abort_at="c")
     assert sorted(done) == ["a", "b", "d"]
     assert {k: done[k] for k in "abd"} == {k: clean_run[k] for k in "abd"}
     # Aborting one still waiting (max_num_seqs=3: "d" was not admitted yet).
-    llm = LLM(model=str(checkpoint), **small_pool_args)
+    llm = LLM(model=str(tiny_qwen3_with_tokenizer), **small_pool_args)
     for rid, prompt, params in REQUESTS:
         llm.engine.add_request(prompt, params, request_id=rid)
     llm.engine.step()
@@ -349,13 +341,13 @@ def test_stream_with_a_stop_string_sends_nothing_it_takes_back(llm):
         assert "".join(llm.stream(prompt, params)) == expected.outputs[0].text, stop
 
 
-def test_shutdown_frees_the_engine_and_refuses_new_work(checkpoint):
+def test_shutdown_frees_the_engine_and_refuses_new_work(tiny_qwen3_with_tokenizer):
     """shutdown() gives back the weights and the KV pool (nothing keeps them alive), drops
     unfinished requests, and every later call says the engine is gone instead of crashing on
     a missing model."""
     import weakref
 
-    llm = LLM(str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8)
+    llm = LLM(str(tiny_qwen3_with_tokenizer), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8)
     llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))  # left unfinished
     runner = llm.engine.runner
     kv_cache, weight = weakref.ref(runner.kv_cache), weakref.ref(next(runner.model.parameters()))

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context
 from minivllm.loader import load_model
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import make_tiny_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -20,6 +20,9 @@ FAMILIES = {
     "llama": dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
     "qwen2": dict(),
 }
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -44,7 +47,7 @@ def test_logits_match(family, length):
     ours = load_model(path)
     ids = torch.randint(0, 512, (length,))
     reset_context()
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(length)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
@@ -57,10 +60,9 @@ def test_engine_greedy_matches(family):
     shared = torch.randint(0, 512, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (1, 30, 150, 7)]
     prompts += [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 90, 200)]
-    with torch_threads(1):
-        llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        for prompt, out in zip(prompts, outputs):
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-            assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
     assert sum(o.num_cached_tokens for o in outputs) > 0

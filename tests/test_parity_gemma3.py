@@ -13,13 +13,16 @@ from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context
 from minivllm.loader import load_model
 from minivllm.ops.attention import causal_attention
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import make_tiny_checkpoint
 
 WINDOW = 16
 VARIANTS = {
     "plain": dict(),
     "softcap": dict(final_logit_softcapping=4.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -58,7 +61,7 @@ def test_logits_match(gemma, length):
     ours = load_model(path)
     ids = torch.randint(0, 512, (length,))
     reset_context()
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(length)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
@@ -76,14 +79,13 @@ def test_engine_greedy_matches(gemma):
     shared = torch.randint(0, 512, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (1, 30, 150, 7)]
     prompts += [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 90, 200)]
-    with torch_threads(1):
-        llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        for prompt, out in zip(prompts, outputs):
-            # Gemma's pad_token_id is 0, a token random prompts contain: without an explicit
-            # mask, generate would take those tokens for padding and mask them out.
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                              do_sample=False)
-            assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        # Gemma's pad_token_id is 0, a token random prompts contain: without an explicit
+        # mask, generate would take those tokens for padding and mask them out.
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
     assert sum(o.num_cached_tokens for o in outputs) > 0

@@ -21,12 +21,15 @@ from minivllm.layers.moe import SparseMoeBlock, route
 from minivllm.loader import load_model
 from minivllm.ops import moe as moe_ops
 from minivllm.ops.moe import experts_reference, fused_experts, group_by_expert
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import make_tiny_checkpoint
 
 VARIANTS = {
     "renorm": dict(norm_topk_prob=True),
     "plain": dict(norm_topk_prob=False, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]),
 }
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -65,7 +68,7 @@ def test_logits_match(moe, length):
     ours = load_model(path)
     ids = torch.randint(0, 512, (length,))
     reset_context()
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(length)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
@@ -83,7 +86,7 @@ def test_logits_match_through_the_fused_kernel(moe, monkeypatch):
     monkeypatch.setattr(kernels, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
     ids = torch.randint(0, 512, (40,))
     reset_context()
-    with torch.no_grad(), torch_threads(1):
+    with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(40)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
     assert len(calls) == sum(isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers)
@@ -97,12 +100,11 @@ def test_engine_greedy_matches(moe):
     shared = torch.randint(0, 512, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (1, 30, 150, 7)]
     prompts += [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 90, 200)]
-    with torch_threads(1):
-        llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        for prompt, out in zip(prompts, outputs):
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-            assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
     assert sum(o.num_cached_tokens for o in outputs) > 0
 
 

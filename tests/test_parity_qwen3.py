@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm.context import reset_context
-from minivllm.generate import generate
+from minivllm.contiguous_cache import generate
 from minivllm.loader import load_model
 
 ATOL = 1e-4

@@ -1,10 +1,9 @@
 """Qwen3.5 (hybrid: Gated DeltaNet + full attention) against transformers, float32, CPU.
 
 The tiny model has four layers: three linear-attention (Gated DeltaNet) and one full
-attention. Prompts shorter and longer than one chunk of the chunked form (64 tokens), in
-batches of different lengths, with chunked prefill splitting prompts across steps (and
-across chunk boundaries), and with preemption, must give transformers' greedy tokens
-exactly. Logits: 1e-4 on O(1) logits, as test_parity_qwen3 (the same float32 math in a
+attention. Prompts shorter and longer than one chunk of the chunked form (64 tokens), with
+preemption, must give transformers' greedy tokens exactly (batched with chunked prefill:
+test_parity_hybrid, with the other hybrid families). Logits: 1e-4 on O(1) logits, as test_parity_qwen3 (the same float32 math in a
 different order: chunked sums, a triangular solve instead of a loop).
 """
 import pytest
@@ -25,22 +24,18 @@ from minivllm.ops.gated_delta import (
     prepare_qk,
     recurrent_gated_delta_rule,
 )
-from minivllm.testing import make_tiny_checkpoint, torch_threads
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 LENGTHS = (1, 5, 63, 64, 65, 130, 200, 7)  # around one and two chunks of 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5"), family="qwen3_5", seed=3)
+def checkpoint(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -160,29 +155,6 @@ def test_logits_match(checkpoint, hf, length):
         logits = ours.compute_logits(ours(ids, torch.arange(length)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
-
-
-def test_engine_greedy_matches_batched_and_chunked(checkpoint, prompts, reference):
-    """One batch of prompts from 1 to 200 tokens; a token budget of 48 per step splits the
-    long ones over several steps, so chunk boundaries of the engine (48) and of the chunked
-    form (64) fall in different places, and prefills run beside decodes."""
-    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=48,
-              record_trace=True)
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference
-    trace = llm.engine.trace
-    assert any({"prefill", "decode"} <= {kind for *_, kind in r.seqs} for r in trace), "no mixed step"
-    chunks = {}
-    for r in trace:
-        for seq_id, _, kind in r.seqs:
-            chunks[seq_id] = chunks.get(seq_id, 0) + (kind == "prefill")
-    assert max(chunks.values()) >= 4, "the 200-token prompt must be prefilled over several steps"
-    # Everything given back: every slot free, every block free, prefix caching off.
-    manager = llm.engine.block_manager
-    assert isinstance(manager, HybridCacheManager) and not manager.enable_prefix_caching
-    assert manager.states.num_free_slots == manager.states.num_slots
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(o.num_cached_tokens == 0 for o in outputs)
 
 
 def test_engine_greedy_matches_with_preemption(checkpoint, prompts, reference):

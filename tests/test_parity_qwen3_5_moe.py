@@ -4,9 +4,7 @@ form in which the hub publishes both models.
 
 The tiny MoE model has Qwen3.5's four layers (three Gated DeltaNet, one full attention),
 each feed-forward eight experts of width 32 (two per token) and a shared expert of width
-48. Prompts shorter and longer than one chunk of the chunked form (64 tokens), batched
-with different lengths, with chunked prefill splitting prompts across steps, must give
-transformers' greedy tokens exactly. Logits: 1e-4 on O(1) logits, as test_parity_qwen3_5
+48 (its greedy tokens through the engine: test_parity_hybrid). Logits: 1e-4 on O(1) logits, as test_parity_qwen3_5
 (the same float32 math in another order). The fused MoE kernel runs in Triton's
 interpreter (numpy float32), held to the same bound.
 """
@@ -20,27 +18,22 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context
-from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.engine.tp_worker import check_tensor_parallel
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.loader import load_model
 from minivllm.ops import moe as moe_ops
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import make_tiny_checkpoint
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-LENGTHS = (1, 5, 63, 64, 65, 130, 200, 7)  # around one and two chunks of 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5_moe"), family="qwen3_5_moe", seed=4)
+def checkpoint(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5_moe")
 
 
 @pytest.fixture(scope="module")
@@ -135,34 +128,6 @@ def test_logits_match_through_the_fused_kernel(checkpoint, hf, monkeypatch):
         ref = hf(ids[None]).logits[0]
     assert len(calls) == len(ours.model.layers)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
-
-
-def test_engine_greedy_matches_batched_and_chunked(checkpoint, hf):
-    """One batch of prompts from 1 to 200 tokens; a budget of 48 tokens per step splits the
-    long ones over several steps (engine chunks of 48 against the rule's chunks of 64), and
-    prefills run beside decodes."""
-    prompts = random_prompts(LENGTHS, seed=2)
-    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=48,
-              record_trace=True)
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(hf, prompts)
-    trace = llm.engine.trace
-    assert any({"prefill", "decode"} <= {kind for *_, kind in r.seqs} for r in trace), "no mixed step"
-    prefill_steps = {}
-    for r in trace:
-        for seq_id, _, kind in r.seqs:
-            prefill_steps[seq_id] = prefill_steps.get(seq_id, 0) + (kind == "prefill")
-    assert max(prefill_steps.values()) >= 4, "the 200-token prompt must be prefilled over several steps"
-    manager = llm.engine.block_manager
-    assert isinstance(manager, HybridCacheManager) and not manager.enable_prefix_caching
-    assert manager.states.num_free_slots == manager.states.num_slots
-    assert manager.num_free_blocks == manager.num_blocks
-
-
-def test_tensor_parallel_refused(checkpoint):
-    config = load_model(checkpoint).config
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: hybrid models"):
-        check_tensor_parallel(config, 2, "cpu")
 
 
 # -- vision-language checkpoints (the hub's form of Qwen3.5) --------------------------------

@@ -7,37 +7,27 @@ grouped by key head (regrouped at load), the choice of sparse layers (``decoder_
 load that ignored the grouping would put heads in the wrong place), layer 0's feed-forward
 dense and the others eight experts of width 32 (two per token) beside a shared expert of
 width 48. Logits: 1e-4 on O(1) logits, as test_parity_qwen3_5 (the same float32 math in
-another order). Greedy tokens through the engine, batched, with chunked prefill splitting
-prompts across steps and across the rule's 64-token chunks, must equal transformers'.
+another order). The engine's greedy tokens and the tensor-parallel refusal are in
+test_parity_hybrid, with the other hybrid families.
 """
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context
-from minivllm.engine.state_pool import HybridCacheManager
-from minivllm.engine.tp_worker import check_tensor_parallel
 from minivllm.layers.moe import SparseMoeBlock
 from minivllm.loader import load_model
 from minivllm.models.qwen3 import Qwen3MLP
-from minivllm.testing import make_tiny_checkpoint, torch_threads
-
-MAX_TOKENS = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-LENGTHS = (1, 5, 63, 64, 65, 130, 200, 7)  # around one and two chunks of 64
+from minivllm.testing import make_tiny_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_next"), family="qwen3_next", seed=8)
+def checkpoint(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_next")
 
 
 @pytest.fixture(scope="module")
@@ -108,34 +98,3 @@ def test_misshapen_in_projection_is_named(checkpoint, tmp_path):
         load_model(tmp_path)
 
 
-def test_engine_greedy_matches_batched_and_chunked(checkpoint, hf):
-    """One batch of prompts from 1 to 200 tokens; a budget of 48 tokens per step splits the
-    long ones over several steps, and prefills run beside decodes."""
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in LENGTHS]
-    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=200, block_size=8, max_num_batched_tokens=48,
-              record_trace=True)
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                              min_new_tokens=MAX_TOKENS, do_sample=False)
-            expected.append(ref[0, len(prompt):].tolist())
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    trace = llm.engine.trace
-    assert any({"prefill", "decode"} <= {kind for *_, kind in r.seqs} for r in trace), "no mixed step"
-    prefill_steps = {}
-    for r in trace:
-        for seq_id, _, kind in r.seqs:
-            prefill_steps[seq_id] = prefill_steps.get(seq_id, 0) + (kind == "prefill")
-    assert max(prefill_steps.values()) >= 4, "the 200-token prompt must be prefilled over several steps"
-    manager = llm.engine.block_manager
-    assert isinstance(manager, HybridCacheManager) and not manager.enable_prefix_caching
-    assert manager.states.num_free_slots == manager.states.num_slots
-
-
-def test_tensor_parallel_refused(checkpoint):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: hybrid models"):
-        check_tensor_parallel(load_model(checkpoint).config, 2, "cpu")

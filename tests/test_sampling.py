@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, gumbel_max_sample, min_p_mask, top_k_mask, top_p_mask
-from minivllm.testing import make_tiny_checkpoint, torch_threads
 
 NEG_INF = float("-inf")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def kept(masked: torch.Tensor) -> list[int]:
@@ -163,20 +163,9 @@ def test_temperature_zero_is_argmax():
 # -- through the engine -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("sampling-qwen3"), seed=0, with_tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(model=str(checkpoint), num_kv_blocks=256, block_size=8)
+def llm(tiny_qwen3_with_tokenizer):
+    return LLM(model=str(tiny_qwen3_with_tokenizer), num_kv_blocks=256, block_size=8)
 
 
 def one(llm, prompt, params):
@@ -187,7 +176,7 @@ def one(llm, prompt, params):
 PROMPT = "To be, or not to be"
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoint, llm):
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_qwen3_with_tokenizer, llm):
     seeded = SamplingParams(temperature=0.9, top_k=100, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     alone = one(llm, PROMPT, seeded).token_ids
     assert len(alone) == 12
@@ -203,7 +192,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoint, llm):
     assert batch[1].outputs[0].token_ids == alone
     # Also when the batch is scheduled quite differently: a tiny pool (preemptions) and a
     # tiny token budget (chunked prefills).
-    small = LLM(model=str(checkpoint), num_kv_blocks=12, block_size=4, max_num_batched_tokens=7, record_trace=True)
+    small = LLM(model=str(tiny_qwen3_with_tokenizer), num_kv_blocks=12, block_size=4, max_num_batched_tokens=7,
+                record_trace=True)
     batch = small.generate([others[1], others[0], PROMPT, others[2]],
                            [neighbours[1], neighbours[0], seeded, neighbours[2]], use_tqdm=False)
     assert any(r.preempted for r in small.engine.trace)
@@ -273,10 +263,10 @@ def test_stop_strings(llm, greedy_run):
 
 
 @pytest.fixture(scope="module")
-def eos_llm(checkpoint, greedy_run, tmp_path_factory):
+def eos_llm(tiny_qwen3_with_tokenizer, greedy_run, tmp_path_factory):
     """The same model, with a token it emits early declared as its end-of-sequence token."""
     path = tmp_path_factory.mktemp("eos-qwen3")
-    shutil.copytree(checkpoint, path, dirs_exist_ok=True)
+    shutil.copytree(tiny_qwen3_with_tokenizer, path, dirs_exist_ok=True)
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = greedy_run.token_ids[2]
     (path / "config.json").write_text(json.dumps(config))
@@ -298,8 +288,8 @@ def test_eos_ignore_eos_and_min_tokens(eos_llm, greedy_run):
 
 
 @pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+def hf_model(tiny_qwen3_with_tokenizer):
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_with_tokenizer, dtype=torch.float32).eval()
 
 
 def hf_logprobs(hf_model, prompt_ids, output_ids) -> torch.Tensor:

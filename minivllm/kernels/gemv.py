@@ -8,10 +8,10 @@ General GEMM libraries tile for large M and reach only a fraction of the bandwid
 BLOCK_N output columns and walks K in BLOCK_K steps; the few rows of x are padded to the
 16 that a tensor-core ``tl.dot`` needs (the padding costs no memory traffic, and the
 multiply is free next to the load). Many programs, each with several loads in flight
-(``num_stages``), keep the bytes moving. (Splitting K across programs, so that narrow
-matrices cover more SMs, measured no faster on the H200: it needs a zeroed float32 buffer
-and a cast, two more launches.) At these sizes (4-12 MB) a launch's fixed latency of a few
-microseconds is most of the time: chapter 15 measures how close to the roofline this gets.
+(``num_stages``), keep the bytes moving. K is not split across programs: that needs a
+zeroed float32 buffer and a cast, two more launches, and at these sizes (4-12 MB) a launch's
+fixed latency of a few microseconds is most of the time (benchmarks/README.md); chapter 15
+measures how close to the roofline this gets.
 """
 import torch
 import triton

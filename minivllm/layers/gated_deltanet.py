@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.context import get_context
-from minivllm.layers.linear import Linear, PackedLinear, unsplit, default_weight_loader
+from minivllm.layers.linear import Linear, PackedLinear, replicated_shards, default_weight_loader
 from minivllm.ops.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
 
@@ -61,7 +61,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
         self.in_proj = PackedLinear(
-            hidden_size, unsplit({"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads})
+            hidden_size,
+            replicated_shards({"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads}),
         )
         # Stored as [D, 1, K] like nn.Conv1d's weight (so the checkpoint loads as it is).
         self.conv1d = nn.Module()

@@ -64,10 +64,10 @@ class Qwen3MLP(GatedMLP):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp=Qwen3MLP):
         super().__init__()
         self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = make_mlp(config)  # the feed-forward: dense here, sparse in Qwen3-MoE
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,8 +89,12 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx``. A family whose layers differ overrides this."""
+        return Qwen3DecoderLayer(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

@@ -19,7 +19,7 @@ from minivllm.config import ModelConfig
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
-from minivllm.layers.linear import Linear, PackedLinear, unsplit
+from minivllm.layers.linear import Linear, PackedLinear, replicated_shards
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.layers.norm import GemmaRMSNorm
 from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
@@ -52,7 +52,8 @@ class Qwen3_5Attention(nn.Module):
         bias = config.hf_config.get("attention_bias", False)
         # q_proj's rows hold, per head, head_dim query rows then head_dim gate rows.
         self.qkv_proj = PackedLinear(
-            config.hidden_size, unsplit({"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size}), bias=bias)
+            config.hidden_size, replicated_shards({"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size}),
+            bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -98,11 +99,15 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=Qwen3MLP):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, make_mlp) for t in hybrid_layer_types(config))
+        self.layers = nn.ModuleList(self.make_layer(config, i, t) for i, t in enumerate(hybrid_layer_types(config)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
+        """Decoder layer ``layer_idx``, of ``layer_type``. A family whose layers differ overrides this."""
+        return Qwen3_5DecoderLayer(config, layer_type)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

@@ -10,36 +10,28 @@ Loading: q/k/v and a dense layer's gate/up are packed as in Qwen3; the experts' 
 tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into the layer's 3-D
 parameters (``expert_modules_mapping`` tells the loader which piece goes where).
 """
+from functools import partial
+
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.embed_head import VocabEmbedding
-from minivllm.layers.moe import SparseMoeBlock
-from minivllm.layers.norm import RMSNorm
-from minivllm.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from minivllm.layers.moe import sparse_moe_block
+from minivllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 
-class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
-    """Qwen3's layer (and its forward) with the feed-forward picked per layer."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        nn.Module.__init__(self)
-        self.self_attn = Qwen3Attention(config)
-        if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                                      config.moe_intermediate_size, config.norm_topk_prob)
-        else:
-            self.mlp = Qwen3MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+def qwen3_moe_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward: sparse where ``config.is_moe_layer`` says so (the
+    router renormalising with ``norm_topk_prob``), dense elsewhere."""
+    if config.is_moe_layer(layer_idx):
+        return sparse_moe_block(config, renormalize=config.norm_topk_prob)
+    return Qwen3MLP(config)
 
 
 class Qwen3MoeModel(Qwen3Model):
-    def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Qwen3's stack (and its layers' forward) with the feed-forward picked per layer."""
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return Qwen3DecoderLayer(config, partial(qwen3_moe_mlp, layer_idx=layer_idx))
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -15,17 +15,16 @@ two places only:
   ``mlp_only_layers``, a dense MLP of ``intermediate_size`` elsewhere), and the router
   renormalises its top-k probabilities only with ``norm_topk_prob``.
 """
+from functools import partial
+
 import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.layers.embed_head import VocabEmbedding
 from minivllm.layers.gated_deltanet import GatedDeltaNet
-from minivllm.layers.moe import SparseMoeBlock
-from minivllm.layers.norm import GemmaRMSNorm
-from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
-from minivllm.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model, hybrid_layer_types
-from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+from minivllm.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_mlp
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
@@ -58,27 +57,15 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
             self.in_proj.weight_loader(param, rows, name)
 
 
-def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
-    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                          config.moe_intermediate_size, renormalize=config.norm_topk_prob,
-                          shared_expert_intermediate_size=config.shared_expert_intermediate_size)
-
-
 class Qwen3NextDecoderLayer(Qwen3_5DecoderLayer):
     linear_attention_class = Qwen3NextGatedDeltaNet
 
-    def __init__(self, config: ModelConfig, layer_idx: int, layer_type: str):
-        make_mlp = sparse_moe_block if config.is_moe_layer(layer_idx) else Qwen3MLP
-        super().__init__(config, layer_type, make_mlp)
-
 
 class Qwen3NextModel(Qwen3_5Model):
-    def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, t)
-                                    for i, t in enumerate(hybrid_layer_types(config)))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Qwen3.5's stack with Qwen3-MoE's rule for which feed-forwards are sparse."""
+
+    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
+        return Qwen3NextDecoderLayer(config, layer_type, partial(qwen3_moe_mlp, layer_idx=layer_idx))
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

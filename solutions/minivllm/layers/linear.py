@@ -165,7 +165,7 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-def unsplit(sizes: dict) -> dict:
+def replicated_shards(sizes: dict) -> dict:
     """PackedLinear shards that keep every row, for a layer that tensor parallelism does
     not split: {shard id: rows} -> {shard id: (rows, (0, rows))}."""
     return {shard_id: (rows, (0, rows)) for shard_id, rows in sizes.items()}

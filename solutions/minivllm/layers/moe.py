@@ -97,6 +97,14 @@ class StackedExperts(nn.Module):
             param.data[expert].narrow(0, part * n, n).copy_(loaded_weight.narrow(0, self.start, n))
 
 
+def sparse_moe_block(config, renormalize: bool) -> "SparseMoeBlock":
+    """The block a model config describes. Families differ only in ``renormalize``: always
+    in Qwen3.5-MoE, with ``norm_topk_prob`` in Qwen3-MoE and Qwen3-Next."""
+    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                          config.moe_intermediate_size, renormalize,
+                          shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+
+
 class SparseMoeBlock(nn.Module):
     """Route each token to its top-k experts and mix their outputs; with
     ``shared_expert_intermediate_size`` > 0 (Qwen3.5-MoE), add a gated shared expert."""
