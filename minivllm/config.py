@@ -237,8 +237,17 @@ class EngineConfig:
     seed: int = 0
     record_trace: bool = False  # keep a per-step trace (who ran, blocks in use, hits, preemptions)
     tensor_parallel_size: int = 1  # processes (GPUs) that split every layer's weights (chapter 16)
+    # Prepare step N+1 while the device runs step N (chapter 17). None: on for one GPU, off on
+    # the CPU (where nothing runs beside the host) and under tensor parallelism (the other
+    # ranks would need the sampled tokens that only rank 0 holds).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda") and self.tensor_parallel_size == 1
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1: under tensor parallelism only "
+                             "rank 0 holds the sampled tokens the next step's inputs are made of")
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
         if self.num_kv_blocks is not None:
             _positive(self, "num_kv_blocks")

@@ -17,6 +17,7 @@ from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.state_pool import HybridCacheManager
+from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 
@@ -80,6 +81,8 @@ class LLMEngine:
         self.num_steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
         self.is_shut_down = False
+        self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step on the device
+        self._waited = 0.0  # this step's time waiting for the device's tokens
 
     # -- requests ----------------------------------------------------------------------
 
@@ -134,6 +137,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        # (A step still on the device computes only sequences the scheduler holds, or ones
+        # that have ended since: nothing is left unfinished by leaving it there.)
         return self.scheduler.has_unfinished()
 
     def shutdown(self) -> None:
@@ -156,60 +161,97 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that finished, and for every
         streaming request that got a token. (Building an output copies the token list:
-        doing it for every request at every step would cost O(length^2) per request.)"""
+        doing it for every request at every step would cost O(length^2) per request.)
+
+        With asynchronous scheduling the outputs are those of the step before: this call
+        puts step N+1 on the device first, then takes in step N's tokens while the device
+        runs N+1."""
         self._check_running()
         start = time.perf_counter()
+        self._waited = 0.0
+        launched = self._launch()
+        if self.config.async_scheduling:
+            previous, self._in_flight = self._in_flight, launched
+            outputs, finished = self._process(previous) if previous is not None else ([], [])
+
+        else:
+            outputs, finished = self._process(launched) if launched is not None else ([], [])
+        if launched is not None:
+            self._account(launched, time.perf_counter() - start, finished)
+        return outputs
+
+    def _launch(self) -> "LaunchedStep | None":
+        """Schedule a step and put it on the device; its tokens stay there for now."""
         hits_before = self.block_manager.cache_hit_tokens
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and self._in_flight is None:
                 # Nothing runs and the head of the queue does not fit: cannot happen for a
                 # validated request, so it is a bug worth a loud error.
                 raise RuntimeError(f"scheduler is stuck: {self.scheduler.waiting[0]} cannot be admitted")
-            return []
+            return None
         trace = self._trace_before(batch) if self.config.record_trace else None
         num_prefill_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if not is_decode(seq, n))
         # The sequences that reach their last token this step get a token sampled.
         rows = [i for i in range(len(batch)) if batch.samples(i)]
         requests = [self.requests[batch.seqs[i].request_id] for i in rows]
+        # A sequence whose newest token the step in flight sampled reads it on the device.
+        previous = None
+        if self._in_flight is not None and self._in_flight.sampled is not None:
+            previous = (self._in_flight.sampled.token_ids, self._in_flight.row_of)
         run_start = time.perf_counter()
         sampled = self.runner.run(batch, rows, [r.seq.sampling_params for r in requests],
-                                  [r.generator for r in requests], [self.output_processor.banned(r) for r in requests])
+                                  [r.generator for r in requests], [self.output_processor.banned(r) for r in requests],
+                                  previous)
         run_seconds = time.perf_counter() - run_start
-
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        for request in requests:
+            request.seq.num_pending += 1  # its token is on the device until this step is processed
+        return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: j for j, r in enumerate(requests)},
+                            num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace)
+
+    def _process(self, step: "LaunchedStep") -> tuple[list[RequestOutput], list[int]]:
+        """Take in a step's tokens: append them, check the stop conditions, build outputs."""
+        wait_start = time.perf_counter()
+        sampled = step.sampled.to_host() if step.sampled is not None else None  # waits for that step only
+        self._waited += time.perf_counter() - wait_start
+        for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
         outputs, finished = [], []
-        for j, request in enumerate(requests):
+        for j, request in enumerate(step.requests):
+            seq = request.seq
+            seq.num_pending -= 1
+            if self.requests.get(seq.request_id) is not request:
+                continue  # aborted, or finished by an earlier step, while this one ran
             if j in sampled.errors:
                 self._fail(request, sampled.errors[j])
             else:
                 try:
                     self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
                 except Exception as e:  # e.g. its detokenizer: this request's problem alone
-                    logger.exception("processing the output of request %s failed", request.seq.request_id)
+                    logger.exception("processing the output of request %s failed", seq.request_id)
                     self._fail(request, f"processing its output failed: {type(e).__name__}")
-            if request.seq.is_finished:
-                finished.append(request.seq.seq_id)
-                del self.requests[request.seq.request_id]
-            if request.seq.is_finished or request.stream:
+            if seq.is_finished:
+                finished.append(seq.seq_id)
+                del self.requests[seq.request_id]
+            if seq.is_finished or request.stream:
                 outputs.append(self.output_processor.make_output(request))
+        return outputs, finished
 
-        elapsed = time.perf_counter() - start
-        phase = "prefill" if num_prefill_tokens else "decode"
-        self.stats[f"{phase}_tokens"] += num_prefill_tokens if num_prefill_tokens else len(batch)
+    def _account(self, step: "LaunchedStep", elapsed: float, finished: list[int]) -> None:
+        """The step's share of the stats, and its trace record (with record_trace)."""
+        phase = "prefill" if step.num_prefill_tokens else "decode"
+        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens if step.num_prefill_tokens else len(step.batch)
         self.stats[f"{phase}_seconds"] += elapsed
-        if trace is not None:
+        if step.trace is not None:
             self.trace.append(StepRecord(
-                step=self.num_steps, **trace,
+                step=self.num_steps, **step.trace,
                 blocks_in_use=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
-                num_blocks=self.block_manager.num_blocks,
-                cache_hit_tokens=self.block_manager.cache_hit_tokens - hits_before,
-                finished=finished, seconds=elapsed, host_seconds=elapsed - run_seconds,
+                num_blocks=self.block_manager.num_blocks, cache_hit_tokens=step.cache_hit_tokens,
+                finished=finished, seconds=elapsed, host_seconds=elapsed - step.run_seconds - self._waited,
             ))
         self.num_steps += 1
-        return outputs
 
     def _trace_before(self, batch: ScheduledBatch) -> dict:
         """What the step's trace record needs from the batch before the step changes it
@@ -235,6 +277,21 @@ class LLMEngine:
             self.scheduler.finish(request.seq, "error")
 
 
+@dataclass
+class LaunchedStep:
+    """A step on the device whose tokens the host has not taken in yet."""
+
+    batch: ScheduledBatch
+    requests: list[RequestState]  # those that sample, in the order of the sampled rows
+    sampled: SampledTokens | None  # None: nobody samples (every sequence mid-prefill)
+    row_of: dict[int, int]  # seq_id -> its row in sampled
+    num_prefill_tokens: int
+    cache_hit_tokens: int
+    run_seconds: float  # the host's time putting it on the device
+    trace: dict | None
+
+
 def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
     """Does seq compute just the token it sampled last (a decode), not part of a prompt?"""
-    return num_new_tokens == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
+    total = seq.num_scheduled_tokens
+    return num_new_tokens == 1 and seq.num_computed_tokens == total - 1 and total > seq.num_prompt_tokens

@@ -70,7 +70,8 @@ class OutputProcessor:
     def banned(self, request: RequestState) -> list[int]:
         """What this request may not draw at this step."""
         seq = request.seq
-        return request.banned if seq.num_output_tokens < seq.sampling_params.min_tokens else []
+        num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens  # this step's token not counted yet
+        return request.banned if num_outputs < seq.sampling_params.min_tokens else []
 
     def append_token(self, request: RequestState, token: int, logprobs) -> str | None:
         """Give the request its new token; return why it finishes ("stop", "length"), or None."""

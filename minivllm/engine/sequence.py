@@ -29,6 +29,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.state_slot: int | None = None  # hybrid models: the slot of its recurrent state
         self.finish_reason: str | None = None
+        # Asynchronous scheduling (chapter 17): tokens already sampled on the device whose ids
+        # the host does not know yet. The scheduler counts them (the next step computes the
+        # newest one); token_ids gets them when the step that sampled them is processed.
+        self.num_pending = 0
         self.num_preemptions = 0
 
     def __len__(self) -> int:
@@ -41,6 +45,18 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """The tokens the scheduler plans over: those in token_ids and those still pending."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def last_token_pending(self) -> bool:
+        """Is the token still on the device the sequence's last (it reaches max_tokens)?"""
+        max_tokens = self.sampling_params.max_tokens
+        return bool(self.num_pending) and max_tokens is not None and (
+            self.num_scheduled_tokens - self.num_prompt_tokens >= max_tokens)
 
     @property
     def prompt_token_ids(self) -> list[int]:

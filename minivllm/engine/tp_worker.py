@@ -129,19 +129,19 @@ class TensorParallelRunner(ModelRunner):
             _stop(self.workers, self.steps, abort=True)
             raise RuntimeError(f"tensor-parallel start-up failed{self._worker_errors()}") from e
 
-    def run(self, batch, rows_to_sample: list[int], params, generators, banned):
+    def run(self, batch, rows_to_sample: list[int], params, generators, banned, previous=None):
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {dead} are not running{self._worker_errors()}")
-        return super().run(batch, rows_to_sample, params, generators, banned)
+        return super().run(batch, rows_to_sample, params, generators, banned, previous)
 
-    def upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def upload(self, step: StepInputs, previous_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Send the flattened step to every worker, then upload it here too. (The step says
         which rows get logits: the LM head's all-gather is a collective, so either every
         rank computes them or none does.)"""
         for queue in self.steps:
             queue.put(step)
-        return super().upload(step)
+        return super().upload(step, previous_tokens)
 
     def shutdown(self) -> None:
         self._stop()

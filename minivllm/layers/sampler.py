@@ -63,14 +63,75 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+class SampledTokens:
+    """A step's sampled tokens while they are still on the device: the next step can read
+    ``token_ids`` there without waiting (asynchronous scheduling, chapter 17), and their
+    copy to the host, queued right behind the sampling, is read by ``to_host``, which waits
+    for this step's work only."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: tuple | None, ks: list[int | None]):
+        self.token_ids = token_ids  # [rows] on the device
+        self.ks = ks  # per row: how many top log-probs it wants, or None
+        self._done: SamplerOutput | None = None
+        parts = (token_ids, *(logprobs or ()))
+        if token_ids.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for host, dev in zip(self._host, parts):
+                host.copy_(dev, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = list(parts), None
+
+    @classmethod
+    def on_host(cls, output: SamplerOutput, device: torch.device) -> "SampledTokens":
+        """Tokens already on the host (the sampler's rescue path, which samples row by row)."""
+        # A failed row's -1 becomes a valid id on the device: under asynchronous scheduling
+        # the next step may already read it, before the host has failed that request.
+        on_device = torch.tensor([max(t, 0) for t in output.token_ids], device=device)
+        done = cls(on_device, None, [None] * len(output.token_ids))
+        done._done = output
+        return done
+
+    def to_host(self) -> SamplerOutput:
+        if self._done is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            token_list = self._host[0].tolist()
+            logprobs: list = [None] * len(token_list)
+            if len(self._host) > 1:
+                chosen, rank, top_ids, top_values = (t.tolist() for t in self._host[1:])
+                for row, k in enumerate(self.ks):
+                    if k is not None:
+                        logprobs[row] = (chosen[row], rank[row], top_ids[row][:k], top_values[row][:k])
+            self._done = SamplerOutput(token_list, logprobs)
+        return self._done
+
+
+def rows_to_device(values: list[list[float]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row settings decided on the host, in one copy that does not wait for the device
+    (pinned memory, non-blocking): a blocking copy would wait for the forward pass queued
+    before it, and the host could not run ahead of the GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
-    def __call__(
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 banned: list[list[int]] | None = None) -> SamplerOutput:
+        """Sample a token for each row of logits; the tokens (and log-probs) on the host."""
+        return self.launch(logits, params, generators, banned).to_host()
+
+    def launch(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None = None,
-    ) -> SamplerOutput:
+    ) -> SampledTokens:
+        """The same, leaving the tokens on the device (their copy to the host under way)."""
         try:
             return self.sample(logits, params, generators, banned)
         except NotImplementedError:
@@ -83,11 +144,11 @@ class Sampler:
         # bug, but a bug one request must not turn into a failure for everyone): sample each
         # row alone, and report the rows that fail by themselves. If every row fails, no
         # request is to blame: the batch's error is raised.
-        out = SamplerOutput([], [])
+        out, failed = SamplerOutput([], []), {}
         for row in range(len(params)):
             try:
                 one = self.sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1],
-                                  banned[row : row + 1] if banned else None)
+                                  banned[row : row + 1] if banned else None).to_host()
                 out.token_ids += one.token_ids
                 out.logprobs += one.logprobs
             except NotImplementedError:
@@ -95,42 +156,43 @@ class Sampler:
             except Exception as e:
                 out.token_ids.append(-1)
                 out.logprobs.append(None)
-                out.errors[row] = (f"sampling failed: {type(e).__name__}", e)
-        if len(out.errors) == len(params):
+                failed[row] = e
+        if len(failed) == len(params):
             raise batch_error[1]
-        for row, (_, e) in out.errors.items():
+        for row, e in failed.items():
             logger.error("sampling failed for batch row %d alone (%s)", row, params[row], exc_info=e)
-        out.errors = {row: message for row, (message, _) in out.errors.items()}
-        return out
+            out.errors[row] = f"sampling failed: {type(e).__name__}"
+        return SampledTokens.on_host(out, logits.device)
 
-    def sample(self, logits, params, generators, banned) -> SamplerOutput:
+    def sample(self, logits, params, generators, banned) -> SampledTokens:
         logits = logits.float()
-        # Log-probabilities are reported as the model gave them, before any processing.
-        want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if banned:  # e.g. EOS before min_tokens is reached
-            for row, ids in enumerate(banned):
-                if ids:
-                    logits[row, ids] = float("-inf")
         device, vocab = logits.device, logits.shape[-1]
-        # Per-row settings are decided on the host: no device round trip just to branch.
-        greedy_rows = [p.greedy for p in params]
+        ks = [p.logprobs for p in params]
+        # Log-probabilities are reported as the model gave them, before any processing.
+        raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in ks) else None
+        if banned and any(banned):  # e.g. EOS before min_tokens is reached
+            cells = [[row, token] for row, ids in enumerate(banned) for token in ids]
+            where = rows_to_device(cells, torch.long, device)
+            logits[where[:, 0], where[:, 1]] = float("-inf")
         tokens = logits.argmax(dim=-1)
-        if not all(greedy_rows):
-            greedy = torch.tensor(greedy_rows).to(device, non_blocking=True)
-            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).to(device, non_blocking=True)
+        if not all(p.greedy for p in params):
+            # One copy for every per-row setting: greedy, temperature, top-k (a k past the
+            # vocabulary keeps everything, and would not fit an int64), top-p (a p that
+            # float32 rounds to 0, like 1e-50, is raised to its smallest positive value:
+            # the most likely token's mass before it is exactly 0, so it survives any p > 0)
+            # and min-p.
+            settings = rows_to_device(
+                [[float(p.greedy) for p in params], [1.0 if p.greedy else p.temperature for p in params],
+                 [min(p.top_k, vocab) for p in params], [max(p.top_p, MIN_FLOAT32) for p in params],
+                 [p.min_p for p in params]], torch.float32, device)
+            greedy, temperature, top_k, top_p, min_p = settings
             scaled = logits / temperature.unsqueeze(-1)
             if any(p.top_k for p in params):
-                # A k past the vocabulary keeps everything (and would not fit an int64).
-                scaled = top_k_mask(scaled, torch.tensor([min(p.top_k, vocab) for p in params], device=device))
+                scaled = top_k_mask(scaled, top_k.long())
             if any(p.top_p < 1 for p in params):
-                # The most likely token's mass before it is exactly 0, so it survives any
-                # p > 0; a p that float32 rounds to 0 (1e-50) is raised to the smallest
-                # float32 above 0 to keep it so.
-                top_p = [max(p.top_p, MIN_FLOAT32) for p in params]
-                scaled = top_p_mask(scaled, torch.tensor(top_p, dtype=torch.float32, device=device))
+                scaled = top_p_mask(scaled, top_p)
             if any(p.min_p > 0 for p in params):
-                scaled = min_p_mask(scaled, torch.tensor([p.min_p for p in params], device=device))
+                scaled = min_p_mask(scaled, min_p)
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_()
             for row, gen in enumerate(generators):
@@ -139,19 +201,12 @@ class Sampler:
                 if gen is not None:
                     noise[row].exponential_(generator=gen)
             sampled = gumbel_max_sample(probs, noise)
-            tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
-        logprobs: list = []
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            top = raw_logprobs[row].topk(p.logprobs) if p.logprobs else None
-            chosen = raw_logprobs[row, token_list[row]]
-            logprobs.append((
-                float(chosen),
-                int((raw_logprobs[row] > chosen).sum()) + 1,
-                top.indices.tolist() if top is not None else [],
-                top.values.tolist() if top is not None else [],
-            ))
-        return SamplerOutput(token_list, logprobs)
+            tokens = torch.where(greedy.bool(), tokens, sampled)
+        logprobs = None
+        if raw_logprobs is not None:
+            k_max = max(k or 0 for k in ks)
+            chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
+            top = raw_logprobs.topk(k_max, dim=-1)
+            logprobs = (chosen, rank, top.indices, top.values)
+        return SampledTokens(tokens, logprobs, ks)

@@ -131,7 +131,9 @@ class BlockManager:
         """Hash the blocks that computing tokens has just filled, so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # (Only tokens the host knows: under asynchronous scheduling the newest computed one
+        # may still be on its way from the device.)
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         # Hashed blocks form a prefix of the table: walk back to the first unhashed one, so
         # each step costs the blocks it filled, not the whole sequence.
         first = num_full

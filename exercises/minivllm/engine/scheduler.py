@@ -37,7 +37,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Does sequence i get a new token sampled this step (it reaches its last token)?"""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_scheduled_tokens
 
 
 class Scheduler:
@@ -61,7 +61,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.last_token_pending:
+                # Its last token (max_tokens) is still on the device, sampled by the step in
+                # flight: nothing more to compute (asynchronous scheduling, chapter 17).
+                i += 1
+                continue
+            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             raise NotImplementedError("ch07: make room for seq: while the block manager cannot grow seq by n tokens, preempt the most recently admitted running sequence (self.running[-1]) with self._preempt and record it in batch.preempted; if that was seq itself, stop (set seq = None and break), see notebooks/07_scheduler.ipynb")
             if seq is None:
                 break
@@ -74,8 +79,8 @@ class Scheduler:
         # memory is short, and the preempted sequence must go first).
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break
+            if seq.num_pending or not self.block_manager.can_allocate(seq):
+                break  # (a preempted sequence is recomputed once its last token is on the host)
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -99,6 +104,8 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was still on the device
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
