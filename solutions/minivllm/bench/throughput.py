@@ -73,11 +73,11 @@ def warmup_requests():
     return warm, SamplingParams(max_tokens=16, ignore_eos=True)
 
 
-def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) -> dict:
+def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, **engine_args) -> dict:
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, record_trace=True,
-              max_num_seqs=256, max_num_batched_tokens=16384)
+              max_num_seqs=256, max_num_batched_tokens=16384, **engine_args)
     warm, warm_params = warmup_requests()
     llm.generate(warm, warm_params, use_tqdm=False)
     llm.engine.trace.clear()
@@ -111,6 +111,7 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False) 
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),
         "kv_blocks": llm.engine.runner.num_kv_blocks,
         "enforce_eager": enforce_eager,
+        "async_scheduling": llm.engine.config.async_scheduling,
         "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
         "_config": model.config,
