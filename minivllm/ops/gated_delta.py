@@ -57,7 +57,7 @@ def gated_delta_step(
     state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
-    # BEGIN SOLUTION ch13 "gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state)"
+    # BEGIN SOLUTION ch13 gated_delta_step
     state = state * g.exp()[..., None, None]
     predicted = (state * k[..., :, None]).sum(dim=-2)  # S^T k: [N, H, dv]
     delta = beta[..., None] * (v - predicted)
@@ -97,7 +97,7 @@ def gated_delta_chunk(
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    # BEGIN SOLUTION ch13 "gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state)"
+    # BEGIN SOLUTION ch13 gated_delta_chunk
     gamma = g.cumsum(dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     log_decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf"))
@@ -135,7 +135,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     before x come from the state. Returns (out [T, D] before the activation, the new state:
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
-    # BEGIN SOLUTION ch13 "causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state)"
+    # BEGIN SOLUTION ch13 causal_conv1d
     window = torch.cat([conv_state.to(x.dtype), x.T], dim=-1)  # [D, K - 1 + T]
     out = F.conv1d(window[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [D, T]
     return out.T, window[:, window.shape[1] - (weight.shape[1] - 1) :]

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/gated_delta.py, generated from it by scripts/make_exercises.py.
 # Fill in: gated_delta_step (ch13), gated_delta_chunk (ch13), causal_conv1d (ch13).
-# Grade: pytest exercises -k ch13
+# Grade: make grade CH=13
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The gated delta rule and its causal convolution: the torch reference, and the dispatch.
@@ -62,7 +62,11 @@ def gated_delta_step(
     state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
-    raise NotImplementedError("ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., "
+        "None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new "
+        "state; return (out, state), see notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def recurrent_gated_delta_rule(
@@ -95,7 +99,14 @@ def gated_delta_chunk(
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    raise NotImplementedError("ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= "
+        "i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) "
+        "decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U "
+        "(torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * "
+        "decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, "
+        "H, dv], new state), see notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def chunk_gated_delta_rule(
@@ -121,7 +132,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     before x come from the state. Returns (out [T, D] before the activation, the new state:
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
-    raise NotImplementedError("ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, "
+        "t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the "
+        "last K - 1 columns of window; return (out as [T, D], new state), see "
+        "notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 # -- a packed batch, with the state pool ----------------------------------------------
