@@ -12,9 +12,9 @@ the functions that belong to other chapters' exercises are swapped for the refer
 so an unfinished chapter 03 cannot fail chapter 01's tests and a chapter 01 mistake cannot
 fail chapter 03's.
 
-    pytest exercises                # grade all your answers
-    pytest exercises -k ch01        # one chapter
-    pytest exercises --solutions    # the same tests against the reference answers
+    make grade                      # grade all your answers (pytest exercises)
+    make grade CH=01                # one chapter (pytest exercises -k ch01)
+    make grade CH=01 SOLUTIONS=1    # the same tests against the reference answers (--solutions)
 """
 import importlib
 import importlib.abc
