@@ -35,6 +35,9 @@ test: setup
 	$(PY) -m pytest -q -m "not gpu" tests
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	# Again through the notebooks' learner switch, on the reference copies in solutions/.
+	MINIVLLM_LEARNER=solutions $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 exercises: setup
 	$(PY) scripts/make_exercises.py

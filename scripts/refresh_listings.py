@@ -40,6 +40,7 @@ ANSWERS_TAG = "reference-answers"
 # The Triton kernels must import on a machine without a GPU; the switch is read when triton
 # is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.pop("MINIVLLM_LEARNER", None)  # the listings come from the copies on disk, whatever a shell set
 sys.path.insert(0, str(ROOT))
 from minivllm import course  # noqa: E402  (after the switch above)
 
