@@ -1,4 +1,7 @@
 # Two entry points: `make book` and `make test`. Both set up .venv first (idempotent).
+# For the learner, on the same set-up: `make grade CH=06` grades chapter 06 on your copies
+# in exercises/ (CH= empty: every chapter; SOLUTIONS=1: the reference copies instead), and
+# `make lab` opens the notebooks in JupyterLab (installed into the venv on first use).
 # An active virtual environment ($VIRTUAL_ENV) is used as it is; otherwise .venv is created.
 # Where the system Python already has torch (a GPU box), .venv sees it and keeps it;
 # elsewhere torch==2.13.0 (the CPU build) is installed.
@@ -7,7 +10,7 @@ VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minivllm-installed
 
-.PHONY: setup book test exercises gpu-check clean
+.PHONY: setup book test exercises grade lab gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,9 +35,21 @@ test: setup
 	$(PY) -m pytest -q -m "not gpu" tests
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	# Again through the notebooks' learner switch, on the reference copies in solutions/.
+	MINIVLLM_LEARNER=solutions $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
 
 exercises: setup
 	$(PY) scripts/make_exercises.py
+
+CH ?=
+SOLUTIONS ?=
+grade: setup
+	$(PY) -m pytest exercises -q -p no:cacheprovider $(if $(CH),-k ch$(CH)) $(if $(SOLUTIONS),--solutions)
+
+lab: setup
+	@$(PY) -c 'import jupyterlab' 2>/dev/null || $(PY) -m pip install -q jupyterlab
+	$(VENV)/bin/jupyter lab notebooks/
 
 gpu-check:
 	bash scripts/gpu_check.sh

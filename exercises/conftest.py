@@ -12,13 +12,11 @@ the functions that belong to other chapters' exercises are swapped for the refer
 so an unfinished chapter 03 cannot fail chapter 01's tests and a chapter 01 mistake cannot
 fail chapter 03's.
 
-    pytest exercises                # grade all your answers
-    pytest exercises -k ch01        # one chapter
-    pytest exercises --solutions    # the same tests against the reference answers
+    make grade                      # grade all your answers (pytest exercises)
+    make grade CH=01                # one chapter (pytest exercises -k ch01)
+    make grade CH=01 SOLUTIONS=1    # the same tests against the reference answers (--solutions)
 """
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -44,44 +42,22 @@ CHAPTER_FILE = re.compile(r"^test_(ch\d\d)_")
 GRADING = pytest.StashKey[dict]()  # mode, finder, sources
 
 
-class GradedCopyFinder(importlib.abc.MetaPathFinder):
-    """Load ``minivllm.X.Y`` from ``<tree>/minivllm/X/Y.py`` when that copy exists."""
-
-    def __init__(self, tree: Path):
-        self.tree = tree
-
-    def copy_of(self, fullname: str) -> Path | None:
-        parts = fullname.split(".")
-        as_module = self.tree.joinpath(*parts).with_suffix(".py")
-        as_package = self.tree.joinpath(*parts, "__init__.py")
-        for copy in (as_module, as_package):
-            if copy.is_file():
-                return copy
-        return None
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):
-            return None
-        copy = self.copy_of(fullname)
-        if copy is not None and copy.name == "__init__.py":
-            # A package's own code from the copy, its submodules from the real package.
-            real = ROOT.joinpath(*fullname.split("."))
-            return importlib.util.spec_from_file_location(fullname, copy, submodule_search_locations=[str(real)])
-        if copy is not None:
-            return importlib.util.spec_from_file_location(fullname, copy)
-        if fullname == PACKAGE:
-            # The package next to this folder, never exercises/minivllm as a namespace package.
-            return importlib.machinery.PathFinder.find_spec(fullname, [str(ROOT)])
-        return None
-
-
-def _generator():
-    """scripts/make_exercises.py, which knows where the regions are."""
-    spec = importlib.util.spec_from_file_location("_make_exercises", ROOT / "scripts" / "make_exercises.py")
+def _load_by_path(name: str, path: Path):
+    """A module from its file, without importing the package around it."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
+
+
+# The import hook, shared with the notebooks' switch (minivllm/learner.py).
+GradedCopyFinder = _load_by_path("_minivllm_learner", ROOT / PACKAGE / "learner.py").CopyFinder
+
+
+def _generator():
+    """scripts/make_exercises.py, which knows where the regions are."""
+    return _load_by_path("_make_exercises", ROOT / "scripts" / "make_exercises.py")
 
 
 def pytest_addoption(parser):
@@ -112,6 +88,9 @@ def pytest_configure(config):
         raise pytest.UsageError(
             "missing generated files (run python scripts/make_exercises.py): " + ", ".join(missing)
         )
+    # The grader picks the copies itself: the notebooks' switch must not add a hook of its own
+    # when minivllm is imported again below.
+    os.environ.pop("MINIVLLM_LEARNER", None)
     # Anything of minivllm imported before now came from the package; import it again.
     for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
         del sys.modules[name]

@@ -8,10 +8,11 @@ across, with SamplingParams' defaults where the request left a field out, for co
 and chat alike; bad values must come back as 400s naming the field. Your ``_dispatch`` and
 the abort in ``generate`` (exercises/minivllm/server/async_engine.py) are checked on a tiny
 model: concurrent callers get exactly the offline engine's tokens, and a caller that stops
-early (closes its iterator, or is cancelled) leaves the KV pool entirely free.
+early (closes its iterator, or is cancelled, even twice) leaves the KV pool entirely free.
 """
 import asyncio
 import json
+import threading
 
 import pytest
 from hypothesis import given
@@ -230,6 +231,44 @@ def test_ch14_a_caller_that_leaves_frees_its_blocks(llm):
             assert outs[-1].finished and engine.num_aborted == 2
             await until_idle(engine)
         finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        asyncio.run(run())
+
+
+def test_ch14_a_caller_cancelled_twice_still_frees_its_blocks(llm):
+    """A task cancelled again while its finally runs (a server shutting down, a timeout on
+    top of a disconnect) must still abort its request: the abort is queued for the engine
+    thread, not awaited, or the second cancel takes it off the queue before it runs."""
+
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        gate = threading.Event()
+        try:
+            long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+            async def consume():
+                async for _ in engine.generate([1, 2, 3, 4], long):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.2)  # streaming by now
+            # Hold the engine thread, as a long step would: a job queued now waits its turn.
+            engine._executor.submit(gate.wait, 30)
+            task.cancel()
+            await asyncio.sleep(0)  # the caller runs its finally...
+            task.cancel()  # ...and is cancelled again meanwhile
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            await until_idle(engine)
+            assert engine.num_aborted == 1, (
+                "a caller cancelled twice must still abort its request (its blocks came back only "
+                "because it ran to the end): queue the abort with self._executor.submit, do not await it"
+            )
+        finally:
+            gate.set()
             await engine.shutdown()
 
     with torch_threads(1):

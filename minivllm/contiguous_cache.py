@@ -15,7 +15,7 @@ from minivllm.layers.attention import attention_layers
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache that ``num_tokens`` tokens occupy: a key and a value vector per
     token, per key/value head, per layer. The one formula behind every memory budget."""
-    # BEGIN SOLUTION ch04 "kv_cache_bytes: 2 (a key and a value) x num_layers x num_kv_heads x head_dim x num_tokens elements, times the bytes of one element of dtype (torch.empty((), dtype=dtype).element_size())"
+    # BEGIN SOLUTION ch04 kv_cache_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * head_dim * num_tokens * itemsize
     # END SOLUTION

@@ -4,23 +4,30 @@
 A solution region sits inside a function body of any ``minivllm/**/*.py`` file:
 
     def rms_norm(x, weight, eps):
-        # BEGIN SOLUTION ch01 "rms_norm: y = x / sqrt(mean(x**2) + eps) * weight, ..."
+        # BEGIN SOLUTION ch01 rms_norm
         ...reference code...
         # END SOLUTION
+
+The word after the chapter tag is a key into ``exercises/hints.toml``, which holds the hint
+(what to write) under the chapter's table: ``[ch01]`` then ``rms_norm = "rms_norm: y = ..."``.
+Keeping the hints there keeps the package readable; a short hint may also be written in the
+marker itself, in double quotes (``# BEGIN SOLUTION ch01 "rms_norm: y = ..."``).
 
 For every file that has regions, two copies are written, at the same relative path:
 
 - ``exercises/minivllm/...``: each region becomes
-  ``raise NotImplementedError("ch01: <the quoted hint>, see notebooks/01_....ipynb")``
-  at the region's indentation (the student fills it in);
+  ``raise NotImplementedError("ch01: <the hint>, see notebooks/01_....ipynb")``
+  at the region's indentation, its message wrapped over several lines when it is long
+  (the student fills it in);
 - ``solutions/minivllm/...``: the region's code is kept (the reference answer).
 
 Marker lines are dropped from both. Nothing else under ``exercises/`` (the grading
-``conftest.py``, the ``test_chNN_*.py`` files) is touched.
+``conftest.py``, ``hints.toml``, the ``test_chNN_*.py`` files) is touched.
 
 Rules the markers must follow (a violation is an error naming the file and line): BEGIN and
-END pair up, without nesting, at the same indentation; the tag is ``chNN`` (01-99) and the
-hint a non-empty double-quoted string without ``"`` or ``\\``; a region holds code and lies
+END pair up, without nesting, at the same indentation; the tag is ``chNN`` (01-99), followed
+by a key of ``hints.toml``'s table for that chapter or by a non-empty double-quoted hint; a
+hint has no ``"`` or ``\\``; every key of ``hints.toml`` is used by a region; a region holds code and lies
 inside a function (or method) body; and all regions of one function belong to one chapter,
 because the grader swaps whole functions between your copy and the reference.
 
@@ -34,6 +41,7 @@ import argparse
 import ast
 import re
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,12 +49,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "minivllm"
 TREES = ("exercises", "solutions")
 SCRIPT = "scripts/make_exercises.py"
+HINTS = "exercises/hints.toml"
+WIDTH = 100  # a stub longer than this is wrapped, so the copies and the book's listings stay readable
 
-BEGIN = re.compile(r'^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<chapter>ch(?P<num>\d\d)) "(?P<hint>[^"\\]+)"[ \t]*$')
+BEGIN = re.compile(
+    r'^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<chapter>ch(?P<num>\d\d)) '
+    r'(?:"(?P<hint>[^"\\]+)"|(?P<key>[A-Za-z_][A-Za-z0-9_]*))[ \t]*$'
+)
 END = re.compile(r"^(?P<indent>[ \t]*)# END SOLUTION[ \t]*$")
 # Anything a reader would take for a marker; it must then match BEGIN or END exactly.
 MARKER_LIKE = re.compile(r"^\s*#\s*(BEGIN|END)\s*SOLUTION", re.IGNORECASE)
-BEGIN_FORM = '# BEGIN SOLUTION chNN "what to write"'
+BEGIN_FORM = '# BEGIN SOLUTION chNN key (of hints.toml) or # BEGIN SOLUTION chNN "what to write"'
 
 
 class MarkerError(Exception):
@@ -61,6 +74,7 @@ class Region:
     end: int  # 1-based line of the END marker
     indent: str
     function: str = ""  # qualified name of the outermost function holding the region
+    key: str = ""  # the hints.toml key, when the hint is not written in the marker
 
     @property
     def number(self) -> int:
@@ -84,8 +98,31 @@ class SourceFile:
         return {r.function: r.chapter for r in self.regions}
 
 
-def find_regions(rel: str, text: str) -> tuple[list[Region], list[str]]:
-    """The regions of one file, and the errors found in its markers."""
+def load_hints(root: Path) -> dict[str, dict[str, str]]:
+    """hints.toml as {chapter: {key: hint}}; empty where there is no such file."""
+    path = root / HINTS
+    if not path.is_file():
+        return {}
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise MarkerError(f"{HINTS}: not valid TOML: {e}") from None
+    errors = []
+    for chapter, hints in table.items():
+        if not re.fullmatch(r"ch\d\d", chapter) or not isinstance(hints, dict):
+            errors.append(f"{HINTS}: [{chapter}] is not a chapter table; use [ch01] to [ch99]")
+            continue
+        for key, hint in hints.items():
+            if not isinstance(hint, str) or not hint.strip() or '"' in hint or "\\" in hint:
+                errors.append(f'{HINTS}: [{chapter}] {key}: the hint must be a non-empty string without " or \\')
+    if errors:
+        raise MarkerError("\n".join(errors))
+    return table
+
+
+def find_regions(rel: str, text: str, hints: dict[str, dict[str, str]] | None = None) -> tuple[list[Region], list[str]]:
+    """The regions of one file, and the errors found in its markers (keys looked up in ``hints``)."""
+    hints = hints or {}
     regions: list[Region] = []
     errors: list[str] = []
     lines = text.splitlines()
@@ -96,11 +133,16 @@ def find_regions(rel: str, text: str) -> tuple[list[Region], list[str]]:
             if open_region is not None:
                 errors.append(f"{rel}:{number}: BEGIN SOLUTION inside the region opened at line {open_region.begin}")
                 continue
-            open_region = Region(begin["chapter"], begin["hint"].strip(), number, 0, begin["indent"])
+            open_region = Region(begin["chapter"], (begin["hint"] or "").strip(), number, 0, begin["indent"])
+            if begin["key"]:
+                open_region.key = begin["key"]
+                open_region.hint = hints.get(begin["chapter"], {}).get(begin["key"], "").strip()
+                if not open_region.hint:
+                    errors.append(f"{rel}:{number}: the hint key {begin['key']!r} is not in {HINTS} under [{begin['chapter']}]")
+            elif not open_region.hint:
+                errors.append(f"{rel}:{number}: the hint is empty; say what to write")
             if begin["num"] == "00":
                 errors.append(f"{rel}:{number}: chapter tag ch00 is not a chapter; use ch01 to ch99")
-            if not open_region.hint:
-                errors.append(f"{rel}:{number}: the hint is empty; say what to write")
         elif end:
             if open_region is None:
                 errors.append(f"{rel}:{number}: END SOLUTION without a BEGIN SOLUTION before it")
@@ -169,6 +211,7 @@ def attach_functions(rel: str, text: str, regions: list[Region]) -> list[str]:
 def scan(root: Path = ROOT) -> list[SourceFile]:
     """Every package file that has regions, in path order. Raises MarkerError on bad markers."""
     files, errors = [], []
+    hints = load_hints(root)
     for path in sorted((root / PACKAGE).rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
@@ -176,15 +219,37 @@ def scan(root: Path = ROOT) -> list[SourceFile]:
         text = path.read_text(encoding="utf-8")
         if "SOLUTION" not in text.upper():
             continue
-        regions, found = find_regions(rel, text)
+        regions, found = find_regions(rel, text, hints)
         if regions and not found:
             found = attach_functions(rel, text, regions)
         errors += found
         if regions:
             files.append(SourceFile(rel, text.splitlines(), regions))
+    used = {(r.chapter, r.key) for source in files for r in source.regions if r.key}
+    for chapter, table in hints.items():
+        for key in table:
+            if (chapter, key) not in used:
+                errors.append(f"{HINTS}: [{chapter}] {key} is the key of no region; delete it or mark its region")
     if errors:
         raise MarkerError("\n".join(errors))
     return files
+
+
+def stub(indent: str, message: str) -> list[str]:
+    """``raise NotImplementedError(message)`` at ``indent``, the message wrapped when long."""
+    one_line = f'{indent}raise NotImplementedError("{message}")'
+    if len(one_line) <= WIDTH:
+        return [one_line]
+    inner = indent + "    "
+    room = WIDTH - len(inner) - 3  # the two quotes, and the space a piece may end with
+    pieces, line = [], ""
+    for word in re.findall(r"\S+\s*", message):  # words keep their spaces: the pieces join back to message
+        if line and len(line) + len(word.rstrip()) > room:
+            pieces.append(line)
+            line = ""
+        line += word
+    pieces.append(line)
+    return [f"{indent}raise NotImplementedError("] + [f'{inner}"{piece}"' for piece in pieces] + [f"{indent})"]
 
 
 def notebook_reference(root: Path, number: int) -> str:
@@ -209,7 +274,7 @@ def render(source: SourceFile, tree: str, root: Path = ROOT) -> str:
         header = [
             f"# Exercise copy of {source.rel}, generated from it by {SCRIPT}.",
             f"# Fill in: {_summary(source)}.",
-            "# Grade: " + "; ".join(f"pytest exercises -k {c}" for c in chapters),
+            "# Grade: " + "; ".join(f"make grade CH={c[2:]}" for c in chapters),
             "# Running the generator again overwrites this file: commit or copy your work first.",
         ]
     else:
@@ -227,7 +292,7 @@ def render(source: SourceFile, tree: str, root: Path = ROOT) -> str:
             region = starts[number]
             if tree == "exercises":
                 see = notebook_reference(root, region.number)
-                out.append(f'{region.indent}raise NotImplementedError("{region.chapter}: {region.hint}, {see}")')
+                out.extend(stub(region.indent, f"{region.chapter}: {region.hint}, {see}"))
                 skipping = True
             continue
         if number in ends:

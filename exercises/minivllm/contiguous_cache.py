@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/contiguous_cache.py, generated from it by scripts/make_exercises.py.
 # Fill in: kv_cache_bytes (ch04).
-# Grade: pytest exercises -k ch04
+# Grade: make grade CH=04
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """A minimal generation loop with a contiguous KV cache.
@@ -20,7 +20,11 @@ from minivllm.layers.attention import attention_layers
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache that ``num_tokens`` tokens occupy: a key and a value vector per
     token, per key/value head, per layer. The one formula behind every memory budget."""
-    raise NotImplementedError("ch04: kv_cache_bytes: 2 (a key and a value) x num_layers x num_kv_heads x head_dim x num_tokens elements, times the bytes of one element of dtype (torch.empty((), dtype=dtype).element_size()), see notebooks/04_kv_cache.ipynb")
+    raise NotImplementedError(
+        "ch04: kv_cache_bytes: 2 (a key and a value) x num_layers x num_kv_heads x head_dim x "
+        "num_tokens elements, times the bytes of one element of dtype (torch.empty((), "
+        "dtype=dtype).element_size()), see notebooks/04_kv_cache.ipynb"
+    )
 
 
 class ContiguousKVCache:

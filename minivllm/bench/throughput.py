@@ -51,7 +51,7 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     for step in trace:
         tokens = sum(n for _, n, _ in step.seqs)
         sampled = len(step.seqs)
-        # BEGIN SOLUTION ch15 "one step's floor: step_bytes = every weight once (params * dtype_bytes) + the K/V it reads (step.kv_tokens_read * kv_bytes_per_token); step_flops = 2 * body * tokens + 2 * embed * sampled + 4 * num_hidden_layers * num_attention_heads * head_dim * step.attention_pairs; add both to the totals; floor += the larger of bytes / copy bandwidth and FLOPs / matmul rate (the ceilings dict)"
+        # BEGIN SOLUTION ch15 speed_of_light
         step_bytes = params * dtype_bytes + step.kv_tokens_read * kv_bytes_per_token
         step_flops = 2 * body * tokens + 2 * embed * sampled + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * step.attention_pairs
         total_bytes += step_bytes

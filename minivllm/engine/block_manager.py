@@ -21,7 +21,7 @@ from minivllm.engine.sequence import Sequence
 
 def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     """The hash of a full block, chained to its parent's so it identifies the whole prefix."""
-    # BEGIN SOLUTION ch06 "block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by the token ids as 4-byte little-endian ints; return intdigest()"
+    # BEGIN SOLUTION ch06 block_hash
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -112,7 +112,7 @@ class BlockManager:
         self.cache_hit_tokens += seq.num_cached_tokens
 
     def _take_free_block(self) -> int:
-        # BEGIN SOLUTION ch05 "_take_free_block: pop the least recently freed block id off free_block_ids; if it still has a hash, forget it in hash_to_block (lazy eviction) and clear its hash and token_ids; set ref_count to 1; return the id"
+        # BEGIN SOLUTION ch05 take_free_block
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
@@ -165,7 +165,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks. Cached contents stay until the block is reused."""
-        # BEGIN SOLUTION ch05 "free: for each block of seq.block_table, last block first, drop its ref_count by one and put it on free_block_ids when it reaches 0; then empty the table and reset num_computed_tokens to 0"
+        # BEGIN SOLUTION ch05 free_blocks
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -181,7 +181,7 @@ class ModelRunner:
                 ids = ids + [0]
             input_ids.extend(ids)
             positions.extend(range(start, start + n))
-            # BEGIN SOLUTION ch05 "slot mapping: for each position p in start .. start + n - 1, append seq.block_table[p // bs] * bs + p % bs to slots"
+            # BEGIN SOLUTION ch05 slot_mapping
             for p in range(start, start + n):
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
             # END SOLUTION
@@ -371,7 +371,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     Each graph costs capture time and a little memory, so not every size gets one; a batch
     runs in the smallest graph that holds it, so the gaps bound the padding: at most 15
     rows, a small share of the large batches where throughput is made."""
-    # BEGIN SOLUTION ch10 "graph_batch_sizes: max_bs = min(max_num_seqs, 512); return the sorted sizes among 1, 2, 4, 8 and the multiples of 16 that are at most max_bs, with max_bs itself added (no duplicates)"
+    # BEGIN SOLUTION ch10 graph_batch_sizes
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
     sizes = {b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs}
     return sorted(sizes | {max_bs})
@@ -381,7 +381,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def padded_batch_size(n: int, sizes: list[int]) -> int:
     """The captured size that a decode batch of n sequences replays in: the smallest size
     in ``sizes`` (ascending) that is at least n. Its extra rows are padding."""
-    # BEGIN SOLUTION ch10 "padded_batch_size: return the first (smallest) size in the ascending list sizes with size >= n; raise ValueError naming n when even the largest is smaller"
+    # BEGIN SOLUTION ch10 padded_batch_size
     for size in sizes:
         if size >= n:
             return size

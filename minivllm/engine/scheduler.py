@@ -62,7 +62,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            # BEGIN SOLUTION ch07 "make room for seq: while the block manager cannot grow seq by n tokens, preempt the most recently admitted running sequence (self.running[-1]) with self._preempt and record it in batch.preempted; if that was seq itself, stop (set seq = None and break)"
+            # BEGIN SOLUTION ch07 make_room
             while not self.block_manager.can_grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

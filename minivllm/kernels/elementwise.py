@@ -34,7 +34,7 @@ def _rms_norm_kernel(
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    # BEGIN SOLUTION ch09 "RMSNorm in the kernel: variance = the sum of x32 * x32 over the row (tl.sum, axis 0) divided by n_cols (not BLOCK: the masked lanes are zeros, not columns); y = x32 * tl.rsqrt(variance + eps), cast back to x.dtype"
+    # BEGIN SOLUTION ch09 rms_norm_kernel
     variance = tl.sum(x32 * x32, axis=0) / n_cols
     y = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     # END SOLUTION

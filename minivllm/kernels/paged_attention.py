@@ -37,7 +37,7 @@ def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
     (-inf where a key is not visible), values v [keys, head_dim]; m [rows] is the running
     max, l [rows] the running sum, acc [rows, head_dim] the running weighted values.
     Returns the new (m, l, acc)."""
-    # BEGIN SOLUTION ch09 "online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m and the row max of s; m_safe = m_new, or 0 for a row that has seen no visible key yet (m_new still -inf: tl.where, so that no exp computes -inf - -inf); alpha = exp(m - m_safe), the factor that rescales everything summed under the old max; p = exp(s - m_safe); l = l * alpha + the row sum of p"
+    # BEGIN SOLUTION ch09 online_softmax_1
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -45,7 +45,7 @@ def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
     p = tl.exp(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     # END SOLUTION
-    # BEGIN SOLUTION ch09 "online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p cast to v.dtype, v, input_precision=PRECISION)"
+    # BEGIN SOLUTION ch09 online_softmax_2
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     # END SOLUTION
     return m_new, l, acc

@@ -18,7 +18,7 @@ from minivllm.distributed.parallel_state import all_gather, all_reduce, get_tp_r
 def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
     """Look up the ids that fall in this rank's rows [vocab_start, vocab_start + len(weight));
     every other id gets a zero vector (another rank holds its row)."""
-    # BEGIN SOLUTION ch16 "masked_embedding: local = input_ids - vocab_start; outside = local < 0 or local >= weight.shape[0]; look up F.embedding(local with the outside ids replaced by 0, weight), then zero the rows of the outside ids"
+    # BEGIN SOLUTION ch16 masked_embedding
     local = input_ids - vocab_start
     outside = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(outside, 0), weight)

@@ -38,7 +38,7 @@ def split_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """The rows [start, start + size) of an evenly split dimension that ``rank`` keeps."""
     if num_rows % world_size != 0:
         raise ValueError(f"{num_rows} rows cannot be split evenly over tensor_parallel_size={world_size}")
-    # BEGIN SOLUTION ch16 "split_rows: each of the world_size ranks keeps size = num_rows // world_size consecutive rows, rank r the r-th block; return (start, size)"
+    # BEGIN SOLUTION ch16 split_rows
     size = num_rows // world_size
     return rank * size, size
     # END SOLUTION

@@ -38,7 +38,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     and with ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``) rescaled to sum to one.
     The weights come back in the logits' dtype, as transformers rounds them.
     """
-    # BEGIN SOLUTION ch12 "route: probs = softmax of router_logits over the experts (last dim) in float32; weights, ids = torch.topk(probs, top_k, dim=-1); with renormalize, divide the weights by their sum over the last dim (keepdim)"
+    # BEGIN SOLUTION ch12 route
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -15,7 +15,7 @@ from minivllm.ops.rotary import qk_norm_rope
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The rotation speed of each channel pair: base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1."""
-    # BEGIN SOLUTION ch03 "rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in float32"
+    # BEGIN SOLUTION ch03 rope_inv_freq
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     return 1.0 / (base**exponents)
     # END SOLUTION

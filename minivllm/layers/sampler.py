@@ -28,7 +28,7 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
-    # BEGIN SOLUTION ch08 "top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask back to vocabulary order and fill dropped logits with -inf"
+    # BEGIN SOLUTION ch08 top_p_mask
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -47,7 +47,7 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from probs, given Exp(1) noise of the same shape."""
-    # BEGIN SOLUTION ch08 "gumbel_max_sample: return argmax over the last dim of probs / noise"
+    # BEGIN SOLUTION ch08 gumbel_max_sample
     return (probs / noise).argmax(dim=-1)
     # END SOLUTION
 

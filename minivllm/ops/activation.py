@@ -17,7 +17,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     The gate and up projections are packed into one matrix (one matmul instead of two),
     so their outputs arrive concatenated along the last dimension.
     """
-    # BEGIN SOLUTION ch01 "silu_and_mul: split x in half along the last dim into gate and up, return silu(gate) * up"
+    # BEGIN SOLUTION ch01 silu_and_mul
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
     # END SOLUTION

@@ -29,7 +29,7 @@ def causal_attention(
         return sliding_window_attention(q, k, v, scale, sliding_window)
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
-    # BEGIN SOLUTION ch02 "causal_attention: repeat each k/v head num_heads // num_kv_heads times, build the causal mask (query i sees keys j <= kv_len - q_len + i), call F.scaled_dot_product_attention on [heads, len, dim] tensors"
+    # BEGIN SOLUTION ch02 causal_attention
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -54,7 +54,7 @@ def sliding_window_attention(
     query of that slice, it sees all of it). Simple and correct; one call per query is slow
     for long prefills, which is acceptable for a reference.
     """
-    # BEGIN SOLUTION ch11 "sliding_window_attention: offset = kv_len - q_len is the first query's position; the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window - offset)) of them) see every key up to their own: one causal_attention call over k[:offset + head]; every later query i (position p = offset + i) is a causal_attention call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p"
+    # BEGIN SOLUTION ch11 sliding_window_attention
     q_len, kv_len = q.shape[0], k.shape[0]
     offset = kv_len - q_len  # position of the first query
     out = torch.empty_like(q)

@@ -57,7 +57,7 @@ def gated_delta_step(
     state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
-    # BEGIN SOLUTION ch13 "gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state)"
+    # BEGIN SOLUTION ch13 gated_delta_step
     state = state * g.exp()[..., None, None]
     predicted = (state * k[..., :, None]).sum(dim=-2)  # S^T k: [N, H, dv]
     delta = beta[..., None] * (v - predicted)
@@ -84,7 +84,13 @@ def gated_delta_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C tokens of one sequence at once, starting from ``state``: what C calls of
-    gated_delta_step compute, in matmuls. Shapes as recurrent_gated_delta_rule, float32.
+    gated_delta_step compute, in matmuls.
+
+    Arguments as recurrent_gated_delta_rule, tokens first: q, k: [C, H, dk]; v: [C, H, dv];
+    g, beta: [C, H]; state: [H, dk, dv]. The first lines move the heads first, in float32:
+    q, k, v become [H, C, d] and g, beta [H, C], so every product below is a matmul batched
+    over heads (gamma, decay and A are [H, C] and [H, C, C]). Returns (out [C, H, dv], tokens
+    first again, and the new state [H, dk, dv]).
 
     With gamma_i = g_1 + ... + g_i (the decay from the chunk's start to token i) and
     u_i the correction written at token i, unrolling the recurrence gives
@@ -93,11 +99,13 @@ def gated_delta_chunk(
     the chunk. Then every output and the final state are sums over the chunk:
         o_i  = exp(gamma_i) S^T q_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i . k_j) u_j
         S'   = exp(gamma_C) S + sum_j exp(gamma_C - gamma_j) k_j u_j^T
+    Above the diagonal (j > i) gamma_i - gamma_j is positive and exp of it can overflow to
+    inf (and inf * 0 is nan), so the log-decay is masked to -inf there *before* exp.
     """
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    # BEGIN SOLUTION ch13 "gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state)"
+    # BEGIN SOLUTION ch13 gated_delta_chunk
     gamma = g.cumsum(dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     log_decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf"))
@@ -135,7 +143,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     before x come from the state. Returns (out [T, D] before the activation, the new state:
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
-    # BEGIN SOLUTION ch13 "causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state)"
+    # BEGIN SOLUTION ch13 causal_conv1d
     window = torch.cat([conv_state.to(x.dtype), x.T], dim=-1)  # [D, K - 1 + T]
     out = F.conv1d(window[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [D, T]
     return out.T, window[:, window.shape[1] - (weight.shape[1] - 1) :]

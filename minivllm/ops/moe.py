@@ -136,7 +136,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_size: int) -
     num_assignments = flat.numel()
     bound = num_assignments + min(num_experts, num_assignments) * (block_size - 1)
     capacity = (bound + block_size - 1) // block_size * block_size
-    # BEGIN SOLUTION ch12 "group_by_expert: counts = tokens per expert (zeros(num_experts).scatter_add_ of ones at flat); padded = counts rounded up to a multiple of block_size; ends = padded.cumsum(0), starts = ends - padded; order = torch.argsort(flat, stable=True); each sorted assignment's rank within its expert = its position in order minus (counts.cumsum(0) - counts)[its expert]; sorted_ids = full(capacity, num_assignments) with sorted_ids[starts[expert] + rank] = order; block_experts = torch.searchsorted(ends, block start rows, right=True), with values >= num_experts replaced by -1"
+    # BEGIN SOLUTION ch12 group_by_expert
     ones = torch.ones_like(flat)
     counts = torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, ones)
     padded = (counts + block_size - 1) // block_size * block_size

@@ -12,7 +12,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     The statistics are computed in float32 whatever x's dtype, as transformers does:
     a bfloat16 mean of squares over thousands of channels loses too many bits.
     """
-    # BEGIN SOLUTION ch01 "rms_norm: y = x / sqrt(mean(x**2) + eps) * weight, statistics in float32, result in x's dtype"
+    # BEGIN SOLUTION ch01 rms_norm
     dtype = x.dtype
     x32 = x.float()
     variance = x32.pow(2).mean(dim=-1, keepdim=True)
@@ -38,7 +38,7 @@ def fused_add_rms_norm(
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
-    # BEGIN SOLUTION ch11 "gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + weight in float32), cast to x.dtype only at the end"
+    # BEGIN SOLUTION ch11 gemma_rms_norm
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32 * (1.0 + weight.float())).to(x.dtype)

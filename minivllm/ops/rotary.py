@@ -15,7 +15,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x ([tokens, heads, rotary_dim]) by the angles whose cos and sin are given
     ([tokens, rotary_dim / 2]). Channel i pairs with channel i + rotary_dim/2 (the "NeoX"
     layout that Llama, Qwen and Gemma checkpoints use)."""
-    # BEGIN SOLUTION ch03 "apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + x1*sin)"
+    # BEGIN SOLUTION ch03 apply_rotary
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)

@@ -66,7 +66,7 @@ class ServerConfig:
 
 def sse_event(data: dict) -> str:
     """One server-sent event carrying ``data`` as JSON."""
-    # BEGIN SOLUTION ch14 "frame one server-sent event: the line 'data: ' + the JSON of data (json.dumps, which escapes newlines inside strings), then a blank line, i.e. the event ends with two newlines"
+    # BEGIN SOLUTION ch14 sse_event
     return f"data: {json.dumps(data)}\n\n"
     # END SOLUTION
 

@@ -127,7 +127,7 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to the queue of the request it belongs to."""
-        # BEGIN SOLUTION ch14 "route the step's outputs: put each RequestOutput on self._queues[output.request_id] with put_nowait; skip an output whose request has no queue any more (its caller left, and its abort is on the way)"
+        # BEGIN SOLUTION ch14 dispatch
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -200,6 +200,6 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if added and not finished:
-                # BEGIN SOLUTION ch14 "the caller left before the end: queue self._abort(request_id) in the engine thread with self._executor.submit (not awaited: this may run while the task is being cancelled), so the request's KV blocks come back"
+                # BEGIN SOLUTION ch14 generate_abort
                 self._executor.submit(self._abort, request_id)
                 # END SOLUTION

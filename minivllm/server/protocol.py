@@ -168,7 +168,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
     try:
-        # BEGIN SOLUTION ch14 "return SamplingParams from the request: temperature, top_p, top_k, min_p (a None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the max_tokens and logprobs computed above"
+        # BEGIN SOLUTION ch14 to_sampling_params
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,

@@ -191,14 +191,15 @@ def test_check_lists_stale_missing_and_extra_files(tmp_path, capsys):
         ('def f():\n    # BEGIN SOLUTION ch01 "x"\n    return 1\n', 2, "never closed"),
         ("def f():\n    return 1\n    # END SOLUTION\n", 3, "without a BEGIN"),
         ('def f():\n    # BEGIN SOLUTION ch1 "x"\n    return 1\n    # END SOLUTION\n', 2, "malformed marker"),
-        ("def f():\n    # BEGIN SOLUTION ch01 x\n    return 1\n    # END SOLUTION\n", 2, "malformed marker"),
+        ("def f():\n    # BEGIN SOLUTION ch01 two words\n    return 1\n    # END SOLUTION\n", 2, "malformed marker"),
+        ("def f():\n    # BEGIN SOLUTION ch01 nokey\n    return 1\n    # END SOLUTION\n", 2, "'nokey' is not in exercises/hints.toml"),
         ('def f():\n    # BEGIN SOLUTION ch01 "a"\n    # BEGIN SOLUTION ch01 "b"\n    return 1\n    # END SOLUTION\n', 3, "inside the region"),
         ('# BEGIN SOLUTION ch01 "x"\nX = 1\n# END SOLUTION\n', 1, "not inside a function"),
         ('def f():\n    # BEGIN SOLUTION ch01 "x"\n    pass\n  # END SOLUTION\n', 4, "indented differently"),
         ('def f():\n    # BEGIN SOLUTION ch01 "x"\n    # nothing\n    # END SOLUTION\n    return 1\n', 2, "no code"),
         ('def f(a):\n    # BEGIN SOLUTION ch01 "x"\n    a += 1\n    # END SOLUTION\n    # BEGIN SOLUTION ch02 "y"\n    return a\n    # END SOLUTION\n', 5, "one chapter"),
     ],
-    ids=["unclosed", "stray-end", "short-tag", "unquoted-hint", "nested", "module-level", "indent", "empty", "two-chapters"],
+    ids=["unclosed", "stray-end", "short-tag", "unquoted-hint", "unknown-key", "nested", "module-level", "indent", "empty", "two-chapters"],
 )
 def test_malformed_markers_name_file_and_line(tmp_path, capsys, text, line, problem):
     root = tree_with(tmp_path, text)
@@ -206,3 +207,35 @@ def test_malformed_markers_name_file_and_line(tmp_path, capsys, text, line, prob
         gen.scan(root)
     assert gen.main(["--root", str(root), "--check"]) == 2
     assert f"minivllm/sub/mod.py:{line}:" in capsys.readouterr().err
+
+
+KEYED = '''\
+def f(x):
+    # BEGIN SOLUTION ch04 f_body
+    return x + 1
+    # END SOLUTION
+'''
+LONG_HINT = "f: " + " ".join(f"step {i} of a long recipe;" for i in range(30))
+
+
+def test_hint_keys_read_the_hints_table_and_long_stubs_wrap(tmp_path):
+    root = tree_with(tmp_path, KEYED)
+    (root / "exercises").mkdir()
+    (root / "exercises/hints.toml").write_text(f'[ch04]\nf_body = "{LONG_HINT}"\n')
+    assert gen.main(["--root", str(root)]) == 0
+    student = (root / "exercises/minivllm/sub/mod.py").read_text()
+    assert "f_body" not in student
+    lines = student.splitlines()
+    start = lines.index("    raise NotImplementedError(")
+    end = lines.index("    )", start)
+    assert all(len(line) <= gen.WIDTH for line in lines[start:end + 1])
+    message = eval("(" + "\n".join(lines[start + 1 : end]) + ")")  # the wrapped string literals, joined
+    assert message == f"ch04: {LONG_HINT}, see notebooks/04_things.ipynb"
+
+
+def test_unused_hint_keys_are_errors(tmp_path):
+    root = tree_with(tmp_path, KEYED)
+    (root / "exercises").mkdir()
+    (root / "exercises/hints.toml").write_text('[ch04]\nf_body = "f: add one"\nstale = "g: gone"\n')
+    with pytest.raises(gen.MarkerError, match=r"exercises/hints.toml: \[ch04\] stale is the key of no region"):
+        gen.scan(root)

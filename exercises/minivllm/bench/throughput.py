@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/bench/throughput.py, generated from it by scripts/make_exercises.py.
 # Fill in: speed_of_light (ch15).
-# Grade: pytest exercises -k ch15
+# Grade: make grade CH=15
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Offline throughput on nano-vllm's standard workload, against the roofline and transformers.
@@ -56,7 +56,14 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     for step in trace:
         tokens = sum(n for _, n, _ in step.seqs)
         sampled = len(step.seqs)
-        raise NotImplementedError("ch15: one step's floor: step_bytes = every weight once (params * dtype_bytes) + the K/V it reads (step.kv_tokens_read * kv_bytes_per_token); step_flops = 2 * body * tokens + 2 * embed * sampled + 4 * num_hidden_layers * num_attention_heads * head_dim * step.attention_pairs; add both to the totals; floor += the larger of bytes / copy bandwidth and FLOPs / matmul rate (the ceilings dict), see notebooks/15_speed_of_light.ipynb")
+        raise NotImplementedError(
+            "ch15: one step's floor: step_bytes = every weight once (params * dtype_bytes) + the "
+            "K/V it reads (step.kv_tokens_read * kv_bytes_per_token); step_flops = 2 * body * "
+            "tokens + 2 * embed * sampled + 4 * num_hidden_layers * num_attention_heads * head_dim "
+            "* step.attention_pairs; add both to the totals; floor += the larger of bytes / copy "
+            "bandwidth and FLOPs / matmul rate (the ceilings dict), see "
+            "notebooks/15_speed_of_light.ipynb"
+        )
     return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
 
 

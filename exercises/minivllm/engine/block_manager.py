@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/engine/block_manager.py, generated from it by scripts/make_exercises.py.
 # Fill in: block_hash (ch06), BlockManager._take_free_block (ch05), BlockManager.free (ch05).
-# Grade: pytest exercises -k ch05; pytest exercises -k ch06
+# Grade: make grade CH=05; make grade CH=06
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The block manager: a fixed pool of KV-cache blocks, handed out to sequences.
@@ -26,7 +26,11 @@ from minivllm.engine.sequence import Sequence
 
 def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     """The hash of a full block, chained to its parent's so it identifies the whole prefix."""
-    raise NotImplementedError("ch06: block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by the token ids as 4-byte little-endian ints; return intdigest(), see notebooks/06_prefix_caching.ipynb")
+    raise NotImplementedError(
+        "ch06: block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by "
+        "the token ids as 4-byte little-endian ints; return intdigest(), see "
+        "notebooks/06_prefix_caching.ipynb"
+    )
 
 
 class Block:
@@ -111,7 +115,11 @@ class BlockManager:
         self.cache_hit_tokens += seq.num_cached_tokens
 
     def _take_free_block(self) -> int:
-        raise NotImplementedError("ch05: _take_free_block: pop the least recently freed block id off free_block_ids; if it still has a hash, forget it in hash_to_block (lazy eviction) and clear its hash and token_ids; set ref_count to 1; return the id, see notebooks/05_paged_blocks.ipynb")
+        raise NotImplementedError(
+            "ch05: _take_free_block: pop the least recently freed block id off free_block_ids; if "
+            "it still has a hash, forget it in hash_to_block (lazy eviction) and clear its hash "
+            "and token_ids; set ref_count to 1; return the id, see notebooks/05_paged_blocks.ipynb"
+        )
 
     # -- growth during decode ----------------------------------------------------------
 
@@ -154,7 +162,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks. Cached contents stay until the block is reused."""
-        raise NotImplementedError("ch05: free: for each block of seq.block_table, last block first, drop its ref_count by one and put it on free_block_ids when it reaches 0; then empty the table and reset num_computed_tokens to 0, see notebooks/05_paged_blocks.ipynb")
+        raise NotImplementedError(
+            "ch05: free: for each block of seq.block_table, last block first, drop its ref_count "
+            "by one and put it on free_block_ids when it reaches 0; then empty the table and reset "
+            "num_computed_tokens to 0, see notebooks/05_paged_blocks.ipynb"
+        )
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Where token ``position`` of seq lives in the pool, as a flat slot index."""

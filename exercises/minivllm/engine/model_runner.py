@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/engine/model_runner.py, generated from it by scripts/make_exercises.py.
 # Fill in: ModelRunner.prepare (ch05), graph_batch_sizes (ch10), padded_batch_size (ch10).
-# Grade: pytest exercises -k ch05; pytest exercises -k ch10
+# Grade: make grade CH=05; make grade CH=10
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
@@ -186,7 +186,11 @@ class ModelRunner:
                 ids = ids + [0]
             input_ids.extend(ids)
             positions.extend(range(start, start + n))
-            raise NotImplementedError("ch05: slot mapping: for each position p in start .. start + n - 1, append seq.block_table[p // bs] * bs + p % bs to slots, see notebooks/05_paged_blocks.ipynb")
+            raise NotImplementedError(
+                "ch05: slot mapping: for each position p in start .. start + n - 1, append "
+                "seq.block_table[p // bs] * bs + p % bs to slots, see "
+                "notebooks/05_paged_blocks.ipynb"
+            )
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
         rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
@@ -373,10 +377,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     Each graph costs capture time and a little memory, so not every size gets one; a batch
     runs in the smallest graph that holds it, so the gaps bound the padding: at most 15
     rows, a small share of the large batches where throughput is made."""
-    raise NotImplementedError("ch10: graph_batch_sizes: max_bs = min(max_num_seqs, 512); return the sorted sizes among 1, 2, 4, 8 and the multiples of 16 that are at most max_bs, with max_bs itself added (no duplicates), see notebooks/10_cuda_graphs.ipynb")
+    raise NotImplementedError(
+        "ch10: graph_batch_sizes: max_bs = min(max_num_seqs, 512); return the sorted sizes among "
+        "1, 2, 4, 8 and the multiples of 16 that are at most max_bs, with max_bs itself added (no "
+        "duplicates), see notebooks/10_cuda_graphs.ipynb"
+    )
 
 
 def padded_batch_size(n: int, sizes: list[int]) -> int:
     """The captured size that a decode batch of n sequences replays in: the smallest size
     in ``sizes`` (ascending) that is at least n. Its extra rows are padding."""
-    raise NotImplementedError("ch10: padded_batch_size: return the first (smallest) size in the ascending list sizes with size >= n; raise ValueError naming n when even the largest is smaller, see notebooks/10_cuda_graphs.ipynb")
+    raise NotImplementedError(
+        "ch10: padded_batch_size: return the first (smallest) size in the ascending list sizes "
+        "with size >= n; raise ValueError naming n when even the largest is smaller, see "
+        "notebooks/10_cuda_graphs.ipynb"
+    )

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
 # Fill in: Scheduler.schedule (ch07).
-# Grade: pytest exercises -k ch07
+# Grade: make grade CH=07
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The scheduler: which sequences run this step, and how many tokens each computes.
@@ -67,7 +67,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            raise NotImplementedError("ch07: make room for seq: while the block manager cannot grow seq by n tokens, preempt the most recently admitted running sequence (self.running[-1]) with self._preempt and record it in batch.preempted; if that was seq itself, stop (set seq = None and break), see notebooks/07_scheduler.ipynb")
+            raise NotImplementedError(
+                "ch07: make room for seq: while the block manager cannot grow seq by n tokens, "
+                "preempt the most recently admitted running sequence (self.running[-1]) with "
+                "self._preempt and record it in batch.preempted; if that was seq itself, stop (set "
+                "seq = None and break), see notebooks/07_scheduler.ipynb"
+            )
             if seq is None:
                 break
             self.block_manager.grow(seq, n)

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/kernels/elementwise.py, generated from it by scripts/make_exercises.py.
 # Fill in: _rms_norm_kernel (ch09).
-# Grade: pytest exercises -k ch09
+# Grade: make grade CH=09
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Row-wise kernels of the decoder layer: fused residual-add + RMSNorm, SiLU-and-mul, RoPE.
@@ -39,7 +39,11 @@ def _rms_norm_kernel(
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    raise NotImplementedError("ch09: RMSNorm in the kernel: variance = the sum of x32 * x32 over the row (tl.sum, axis 0) divided by n_cols (not BLOCK: the masked lanes are zeros, not columns); y = x32 * tl.rsqrt(variance + eps), cast back to x.dtype, see notebooks/09_triton_kernels.ipynb")
+    raise NotImplementedError(
+        "ch09: RMSNorm in the kernel: variance = the sum of x32 * x32 over the row (tl.sum, axis "
+        "0) divided by n_cols (not BLOCK: the masked lanes are zeros, not columns); y = x32 * "
+        "tl.rsqrt(variance + eps), cast back to x.dtype, see notebooks/09_triton_kernels.ipynb"
+    )
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, w * y, mask=mask)
 

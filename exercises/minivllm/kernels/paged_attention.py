@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
 # Fill in: _online_softmax_update (ch09).
-# Grade: pytest exercises -k ch09
+# Grade: make grade CH=09
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Attention over the paged KV cache: a decode kernel and a prefill kernel.
@@ -42,8 +42,17 @@ def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
     (-inf where a key is not visible), values v [keys, head_dim]; m [rows] is the running
     max, l [rows] the running sum, acc [rows, head_dim] the running weighted values.
     Returns the new (m, l, acc)."""
-    raise NotImplementedError("ch09: online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m and the row max of s; m_safe = m_new, or 0 for a row that has seen no visible key yet (m_new still -inf: tl.where, so that no exp computes -inf - -inf); alpha = exp(m - m_safe), the factor that rescales everything summed under the old max; p = exp(s - m_safe); l = l * alpha + the row sum of p, see notebooks/09_triton_kernels.ipynb")
-    raise NotImplementedError("ch09: online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p cast to v.dtype, v, input_precision=PRECISION), see notebooks/09_triton_kernels.ipynb")
+    raise NotImplementedError(
+        "ch09: online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m "
+        "and the row max of s; m_safe = m_new, or 0 for a row that has seen no visible key yet "
+        "(m_new still -inf: tl.where, so that no exp computes -inf - -inf); alpha = exp(m - "
+        "m_safe), the factor that rescales everything summed under the old max; p = exp(s - "
+        "m_safe); l = l * alpha + the row sum of p, see notebooks/09_triton_kernels.ipynb"
+    )
+    raise NotImplementedError(
+        "ch09: online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p "
+        "cast to v.dtype, v, input_precision=PRECISION), see notebooks/09_triton_kernels.ipynb"
+    )
     return m_new, l, acc
 
 

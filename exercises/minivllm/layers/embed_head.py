@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/embed_head.py, generated from it by scripts/make_exercises.py.
 # Fill in: masked_embedding (ch16).
-# Grade: pytest exercises -k ch16
+# Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Token embedding and the language-model head, split by vocabulary under tensor parallelism.
@@ -23,7 +23,11 @@ from minivllm.distributed.parallel_state import all_gather, all_reduce, get_tp_r
 def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
     """Look up the ids that fall in this rank's rows [vocab_start, vocab_start + len(weight));
     every other id gets a zero vector (another rank holds its row)."""
-    raise NotImplementedError("ch16: masked_embedding: local = input_ids - vocab_start; outside = local < 0 or local >= weight.shape[0]; look up F.embedding(local with the outside ids replaced by 0, weight), then zero the rows of the outside ids, see notebooks/16_tensor_parallelism.ipynb")
+    raise NotImplementedError(
+        "ch16: masked_embedding: local = input_ids - vocab_start; outside = local < 0 or local >= "
+        "weight.shape[0]; look up F.embedding(local with the outside ids replaced by 0, weight), "
+        "then zero the rows of the outside ids, see notebooks/16_tensor_parallelism.ipynb"
+    )
 
 
 def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
 # Fill in: split_rows (ch16).
-# Grade: pytest exercises -k ch16
+# Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Linear layers that know how to load their own weights, and how to split them across GPUs.
@@ -43,7 +43,11 @@ def split_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """The rows [start, start + size) of an evenly split dimension that ``rank`` keeps."""
     if num_rows % world_size != 0:
         raise ValueError(f"{num_rows} rows cannot be split evenly over tensor_parallel_size={world_size}")
-    raise NotImplementedError("ch16: split_rows: each of the world_size ranks keeps size = num_rows // world_size consecutive rows, rank r the r-th block; return (start, size), see notebooks/16_tensor_parallelism.ipynb")
+    raise NotImplementedError(
+        "ch16: split_rows: each of the world_size ranks keeps size = num_rows // world_size "
+        "consecutive rows, rank r the r-th block; return (start, size), see "
+        "notebooks/16_tensor_parallelism.ipynb"
+    )
 
 
 def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/moe.py, generated from it by scripts/make_exercises.py.
 # Fill in: route (ch12).
-# Grade: pytest exercises -k ch12
+# Grade: make grade CH=12
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """A sparse mixture-of-experts feed-forward block (Qwen3-MoE).
@@ -43,7 +43,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     and with ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``) rescaled to sum to one.
     The weights come back in the logits' dtype, as transformers rounds them.
     """
-    raise NotImplementedError("ch12: route: probs = softmax of router_logits over the experts (last dim) in float32; weights, ids = torch.topk(probs, top_k, dim=-1); with renormalize, divide the weights by their sum over the last dim (keepdim), see notebooks/12_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "ch12: route: probs = softmax of router_logits over the experts (last dim) in float32; "
+        "weights, ids = torch.topk(probs, top_k, dim=-1); with renormalize, divide the weights by "
+        "their sum over the last dim (keepdim), see notebooks/12_mixture_of_experts.ipynb"
+    )
     return weights.to(router_logits.dtype), ids
 
 

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/rotary.py, generated from it by scripts/make_exercises.py.
 # Fill in: rope_inv_freq (ch03).
-# Grade: pytest exercises -k ch03
+# Grade: make grade CH=03
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Rotary position embeddings (RoPE).
@@ -20,7 +20,10 @@ from minivllm.ops.rotary import qk_norm_rope
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The rotation speed of each channel pair: base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1."""
-    raise NotImplementedError("ch03: rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in float32, see notebooks/03_rope.ipynb")
+    raise NotImplementedError(
+        "ch03: rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in "
+        "float32, see notebooks/03_rope.ipynb"
+    )
 
 
 def llama3_scale_inv_freq(

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/sampler.py, generated from it by scripts/make_exercises.py.
 # Fill in: top_p_mask (ch08), gumbel_max_sample (ch08).
-# Grade: pytest exercises -k ch08
+# Grade: make grade CH=08
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """From logits to the next token: greedy, temperature, top-k, top-p, min-p, seeds.
@@ -33,7 +33,12 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
-    raise NotImplementedError("ch08: top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask back to vocabulary order and fill dropped logits with -inf, see notebooks/08_sampling.ipynb")
+    raise NotImplementedError(
+        "ch08: top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is "
+        "dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask "
+        "back to vocabulary order and fill dropped logits with -inf, see "
+        "notebooks/08_sampling.ipynb"
+    )
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -45,7 +50,10 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from probs, given Exp(1) noise of the same shape."""
-    raise NotImplementedError("ch08: gumbel_max_sample: return argmax over the last dim of probs / noise, see notebooks/08_sampling.ipynb")
+    raise NotImplementedError(
+        "ch08: gumbel_max_sample: return argmax over the last dim of probs / noise, see "
+        "notebooks/08_sampling.ipynb"
+    )
 
 
 @dataclass

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/activation.py, generated from it by scripts/make_exercises.py.
 # Fill in: silu_and_mul (ch01).
-# Grade: pytest exercises -k ch01
+# Grade: make grade CH=01
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Gated activations as an op: x holds [gate | up] side by side, the result is act(gate) * up.
@@ -22,7 +22,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     The gate and up projections are packed into one matrix (one matmul instead of two),
     so their outputs arrive concatenated along the last dimension.
     """
-    raise NotImplementedError("ch01: silu_and_mul: split x in half along the last dim into gate and up, return silu(gate) * up, see notebooks/01_weights_forward.ipynb")
+    raise NotImplementedError(
+        "ch01: silu_and_mul: split x in half along the last dim into gate and up, return "
+        "silu(gate) * up, see notebooks/01_weights_forward.ipynb"
+    )
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

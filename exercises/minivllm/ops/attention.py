@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
 # Fill in: causal_attention (ch02), sliding_window_attention (ch11).
-# Grade: pytest exercises -k ch02; pytest exercises -k ch11
+# Grade: make grade CH=02; make grade CH=11
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Attention ops: the torch reference.
@@ -34,7 +34,12 @@ def causal_attention(
         return sliding_window_attention(q, k, v, scale, sliding_window)
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
-    raise NotImplementedError("ch02: causal_attention: repeat each k/v head num_heads // num_kv_heads times, build the causal mask (query i sees keys j <= kv_len - q_len + i), call F.scaled_dot_product_attention on [heads, len, dim] tensors, see notebooks/02_attention.ipynb")
+    raise NotImplementedError(
+        "ch02: causal_attention: repeat each k/v head num_heads // num_kv_heads times, build the "
+        "causal mask (query i sees keys j <= kv_len - q_len + i), call "
+        "F.scaled_dot_product_attention on [heads, len, dim] tensors, see "
+        "notebooks/02_attention.ipynb"
+    )
 
 
 def sliding_window_attention(
@@ -48,7 +53,14 @@ def sliding_window_attention(
     query of that slice, it sees all of it). Simple and correct; one call per query is slow
     for long prefills, which is acceptable for a reference.
     """
-    raise NotImplementedError("ch11: sliding_window_attention: offset = kv_len - q_len is the first query's position; the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window - offset)) of them) see every key up to their own: one causal_attention call over k[:offset + head]; every later query i (position p = offset + i) is a causal_attention call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p, see notebooks/11_model_families.ipynb")
+    raise NotImplementedError(
+        "ch11: sliding_window_attention: offset = kv_len - q_len is the first query's position; "
+        "the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window "
+        "- offset)) of them) see every key up to their own: one causal_attention call over "
+        "k[:offset + head]; every later query i (position p = offset + i) is a causal_attention "
+        "call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p, see "
+        "notebooks/11_model_families.ipynb"
+    )
 
 
 def store_kvcache(

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/gated_delta.py, generated from it by scripts/make_exercises.py.
 # Fill in: gated_delta_step (ch13), gated_delta_chunk (ch13), causal_conv1d (ch13).
-# Grade: pytest exercises -k ch13
+# Grade: make grade CH=13
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The gated delta rule and its causal convolution: the torch reference, and the dispatch.
@@ -62,7 +62,11 @@ def gated_delta_step(
     state: [N, H, dk, dv]; q, k: [N, H, dk] (prepared: normalised, q scaled); v: [N, H, dv];
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
-    raise NotImplementedError("ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new state; return (out, state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., "
+        "None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new "
+        "state; return (out, state), see notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def recurrent_gated_delta_rule(
@@ -82,7 +86,13 @@ def gated_delta_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C tokens of one sequence at once, starting from ``state``: what C calls of
-    gated_delta_step compute, in matmuls. Shapes as recurrent_gated_delta_rule, float32.
+    gated_delta_step compute, in matmuls.
+
+    Arguments as recurrent_gated_delta_rule, tokens first: q, k: [C, H, dk]; v: [C, H, dv];
+    g, beta: [C, H]; state: [H, dk, dv]. The first lines move the heads first, in float32:
+    q, k, v become [H, C, d] and g, beta [H, C], so every product below is a matmul batched
+    over heads (gamma, decay and A are [H, C] and [H, C, C]). Returns (out [C, H, dv], tokens
+    first again, and the new state [H, dk, dv]).
 
     With gamma_i = g_1 + ... + g_i (the decay from the chunk's start to token i) and
     u_i the correction written at token i, unrolling the recurrence gives
@@ -91,11 +101,20 @@ def gated_delta_chunk(
     the chunk. Then every output and the final state are sums over the chunk:
         o_i  = exp(gamma_i) S^T q_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i . k_j) u_j
         S'   = exp(gamma_C) S + sum_j exp(gamma_C - gamma_j) k_j u_j^T
+    Above the diagonal (j > i) gamma_i - gamma_j is positive and exp of it can overflow to
+    inf (and inf * 0 is nan), so the log-decay is masked to -inf there *before* exp.
     """
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    raise NotImplementedError("ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U (torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, H, dv], new state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= "
+        "i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) "
+        "decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U "
+        "(torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * "
+        "decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, "
+        "H, dv], new state), see notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def chunk_gated_delta_rule(
@@ -121,7 +140,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     before x come from the state. Returns (out [T, D] before the activation, the new state:
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
-    raise NotImplementedError("ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the last K - 1 columns of window; return (out as [T, D], new state), see notebooks/13_hybrid_attention.ipynb")
+    raise NotImplementedError(
+        "ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, "
+        "t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the "
+        "last K - 1 columns of window; return (out as [T, D], new state), see "
+        "notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 # -- a packed batch, with the state pool ----------------------------------------------

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/moe.py, generated from it by scripts/make_exercises.py.
 # Fill in: group_by_expert (ch12).
-# Grade: pytest exercises -k ch12
+# Grade: make grade CH=12
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Mixture-of-experts ops: run each token through the experts its router chose and mix
@@ -141,5 +141,14 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_size: int) -
     num_assignments = flat.numel()
     bound = num_assignments + min(num_experts, num_assignments) * (block_size - 1)
     capacity = (bound + block_size - 1) // block_size * block_size
-    raise NotImplementedError("ch12: group_by_expert: counts = tokens per expert (zeros(num_experts).scatter_add_ of ones at flat); padded = counts rounded up to a multiple of block_size; ends = padded.cumsum(0), starts = ends - padded; order = torch.argsort(flat, stable=True); each sorted assignment's rank within its expert = its position in order minus (counts.cumsum(0) - counts)[its expert]; sorted_ids = full(capacity, num_assignments) with sorted_ids[starts[expert] + rank] = order; block_experts = torch.searchsorted(ends, block start rows, right=True), with values >= num_experts replaced by -1, see notebooks/12_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "ch12: group_by_expert: counts = tokens per expert (zeros(num_experts).scatter_add_ of "
+        "ones at flat); padded = counts rounded up to a multiple of block_size; ends = "
+        "padded.cumsum(0), starts = ends - padded; order = torch.argsort(flat, stable=True); each "
+        "sorted assignment's rank within its expert = its position in order minus "
+        "(counts.cumsum(0) - counts)[its expert]; sorted_ids = full(capacity, num_assignments) "
+        "with sorted_ids[starts[expert] + rank] = order; block_experts = torch.searchsorted(ends, "
+        "block start rows, right=True), with values >= num_experts replaced by -1, see "
+        "notebooks/12_mixture_of_experts.ipynb"
+    )
     return ExpertGroups(sorted_ids, block_experts, block_size)

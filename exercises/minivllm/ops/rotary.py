@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/rotary.py, generated from it by scripts/make_exercises.py.
 # Fill in: apply_rotary (ch03).
-# Grade: pytest exercises -k ch03
+# Grade: make grade CH=03
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Rotary position embeddings as an op: rotate queries and keys to their positions, after
@@ -20,7 +20,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x ([tokens, heads, rotary_dim]) by the angles whose cos and sin are given
     ([tokens, rotary_dim / 2]). Channel i pairs with channel i + rotary_dim/2 (the "NeoX"
     layout that Llama, Qwen and Gemma checkpoints use)."""
-    raise NotImplementedError("ch03: apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + x1*sin), see notebooks/03_rope.ipynb")
+    raise NotImplementedError(
+        "ch03: apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + "
+        "x1*sin), see notebooks/03_rope.ipynb"
+    )
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/server/api.py, generated from it by scripts/make_exercises.py.
 # Fill in: sse_event (ch14).
-# Grade: pytest exercises -k ch14
+# Grade: make grade CH=14
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """An OpenAI-compatible HTTP API over ``AsyncLLMEngine``, on FastAPI and uvicorn.
@@ -71,7 +71,11 @@ class ServerConfig:
 
 def sse_event(data: dict) -> str:
     """One server-sent event carrying ``data`` as JSON."""
-    raise NotImplementedError("ch14: frame one server-sent event: the line 'data: ' + the JSON of data (json.dumps, which escapes newlines inside strings), then a blank line, i.e. the event ends with two newlines, see notebooks/14_serving.ipynb")
+    raise NotImplementedError(
+        "ch14: frame one server-sent event: the line 'data: ' + the JSON of data (json.dumps, "
+        "which escapes newlines inside strings), then a blank line, i.e. the event ends with two "
+        "newlines, see notebooks/14_serving.ipynb"
+    )
 
 
 DONE_EVENT = "data: [DONE]\n\n"

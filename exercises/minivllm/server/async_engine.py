@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/server/async_engine.py, generated from it by scripts/make_exercises.py.
 # Fill in: AsyncLLMEngine._dispatch (ch14), AsyncLLMEngine.generate (ch14).
-# Grade: pytest exercises -k ch14
+# Grade: make grade CH=14
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """From ``step()`` to a server: one background loop drives the engine for many callers.
@@ -132,7 +132,12 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to the queue of the request it belongs to."""
-        raise NotImplementedError("ch14: route the step's outputs: put each RequestOutput on self._queues[output.request_id] with put_nowait; skip an output whose request has no queue any more (its caller left, and its abort is on the way), see notebooks/14_serving.ipynb")
+        raise NotImplementedError(
+            "ch14: route the step's outputs: put each RequestOutput on "
+            "self._queues[output.request_id] with put_nowait; skip an output whose request has no "
+            "queue any more (its caller left, and its abort is on the way), see "
+            "notebooks/14_serving.ipynb"
+        )
 
     def _fail_all(self, error: BaseException) -> None:
         for queue in self._queues.values():
@@ -200,4 +205,9 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if added and not finished:
-                raise NotImplementedError("ch14: the caller left before the end: queue self._abort(request_id) in the engine thread with self._executor.submit (not awaited: this may run while the task is being cancelled), so the request's KV blocks come back, see notebooks/14_serving.ipynb")
+                raise NotImplementedError(
+                    "ch14: the caller left before the end: queue self._abort(request_id) in the "
+                    "engine thread with self._executor.submit (not awaited: this may run while the "
+                    "task is being cancelled), so the request's KV blocks come back, see "
+                    "notebooks/14_serving.ipynb"
+                )

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/server/protocol.py, generated from it by scripts/make_exercises.py.
 # Fill in: to_sampling_params (ch14).
-# Grade: pytest exercises -k ch14
+# Grade: make grade CH=14
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The OpenAI wire format: request bodies, their checks, and the JSON we answer with.
@@ -173,7 +173,12 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
     try:
-        raise NotImplementedError("ch14: return SamplingParams from the request: temperature, top_p, top_k, min_p (a None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the max_tokens and logprobs computed above, see notebooks/14_serving.ipynb")
+        raise NotImplementedError(
+            "ch14: return SamplingParams from the request: temperature, top_p, top_k, min_p (a "
+            "None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, "
+            "stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the "
+            "max_tokens and logprobs computed above, see notebooks/14_serving.ipynb"
+        )
     except InvalidParameter as e:
         param = e.param
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):

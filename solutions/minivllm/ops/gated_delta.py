@@ -86,7 +86,13 @@ def gated_delta_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """C tokens of one sequence at once, starting from ``state``: what C calls of
-    gated_delta_step compute, in matmuls. Shapes as recurrent_gated_delta_rule, float32.
+    gated_delta_step compute, in matmuls.
+
+    Arguments as recurrent_gated_delta_rule, tokens first: q, k: [C, H, dk]; v: [C, H, dv];
+    g, beta: [C, H]; state: [H, dk, dv]. The first lines move the heads first, in float32:
+    q, k, v become [H, C, d] and g, beta [H, C], so every product below is a matmul batched
+    over heads (gamma, decay and A are [H, C] and [H, C, C]). Returns (out [C, H, dv], tokens
+    first again, and the new state [H, dk, dv]).
 
     With gamma_i = g_1 + ... + g_i (the decay from the chunk's start to token i) and
     u_i the correction written at token i, unrolling the recurrence gives
@@ -95,6 +101,8 @@ def gated_delta_chunk(
     the chunk. Then every output and the final state are sums over the chunk:
         o_i  = exp(gamma_i) S^T q_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i . k_j) u_j
         S'   = exp(gamma_C) S + sum_j exp(gamma_C - gamma_j) k_j u_j^T
+    Above the diagonal (j > i) gamma_i - gamma_j is positive and exp of it can overflow to
+    inf (and inf * 0 is nan), so the log-decay is masked to -inf there *before* exp.
     """
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]

@@ -1,0 +1,62 @@
+"""The notebooks show the learner's code, never the answer above the task.
+
+- every listing cell's saved output is what ``show`` prints from the current code
+  (``scripts/refresh_listings.py --check``), and the chapter's reference answers sit folded
+  in its last cell;
+- no notebook carries an exercise marker, and no cell output holds the body of a solution
+  region.
+"""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("make_exercises_for_listings", ROOT / "scripts" / "make_exercises.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = load_generator()
+
+
+def output_texts(nb):
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                yield index, output["text"]
+            for value in output.get("data", {}).values():
+                if isinstance(value, str):
+                    yield index, value
+
+
+def test_listings_are_up_to_date():
+    script = ROOT / "scripts" / "refresh_listings.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_no_notebook_prints_an_answer():
+    bodies = []
+    for source in gen.scan(ROOT):
+        for region in source.regions:
+            body = "\n".join(source.lines[region.begin : region.end - 1])
+            bodies.append((f"{source.rel}:{region.begin} ({region.function})", body))
+    found = []
+    for path in NOTEBOOKS:
+        text = path.read_text(encoding="utf-8")
+        if "BEGIN SOLUTION" in text or "END SOLUTION" in text:
+            found.append(f"{path.name}: an exercise marker")
+        for index, output in output_texts(nbformat.reads(text, as_version=4)):
+            for where, body in bodies:
+                if body in output:
+                    found.append(f"{path.name}, cell {index}: the answer of {where}")
+    assert not found, "\n".join(found)
