@@ -30,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top log-probabilities per token
     skip_special_tokens: bool = True
+    n: int = 1  # completions of the prompt; the prompt is computed once and its KV blocks shared
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,6 +58,7 @@ class SamplingParams:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(all(_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "ints >= 0")
+        _check(_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "an int in [0, 20], or None")
 

@@ -15,7 +15,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
@@ -98,15 +98,25 @@ class LLMEngine:
         self._check_running()
         params = sampling_params or SamplingParams()
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(prompt_token_ids, params, request_id)
-        if seq.request_id in self.requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        self.requests[seq.request_id] = self.output_processor.new_request(seq, prompt, generator, stream)
-        self.scheduler.add(seq)
-        return seq.request_id
+        first = Sequence(prompt_token_ids, params, request_id)
+        if first.request_id in self.requests:
+            raise ValueError(f"request_id {first.request_id!r} is already in use")
+        # n completions: n sequences, of which the first computes the prompt and then forks
+        # into the others, which start from its blocks (copy on write for the partial one).
+        seqs = [first] + [Sequence(prompt_token_ids, params, first.request_id) for _ in range(params.n - 1)]
+        group = []
+        for i, seq in enumerate(seqs):
+            seq.index = i
+            generator = None
+            if params.seed is not None:  # each completion its own stream of draws
+                generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2**64)
+            group.append(self.output_processor.new_request(seq, prompt, generator, stream))
+        for request in group:
+            request.group = group
+        first.num_forks = params.n - 1
+        self.requests[first.request_id] = group[0]
+        self.scheduler.add(first)
+        return first.request_id
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         vocab = self.runner.model_config.vocab_size
@@ -128,6 +138,12 @@ class LLMEngine:
         if len(self.output_processor.banned_ids(params)) == self.runner.model_config.vocab_size:
             raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
                                    "vocabulary: nothing could be sampled", "stop_token_ids")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParameter(f"SamplingParams.n={params.n} is invalid: the n completions run together, so at "
+                                   f"most max_num_seqs ({self.config.max_num_seqs})", "n")
+        if params.n > 1 and self.runner.num_state_slots:
+            raise InvalidParameter("SamplingParams.n > 1 is not supported for hybrid models: their completions "
+                                   "would have to fork the recurrent state too", "n")
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -192,9 +208,14 @@ class LLMEngine:
             return None
         trace = self._trace_before(batch) if self.config.record_trace else None
         num_prefill_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if not is_decode(seq, n))
-        # The sequences that reach their last token this step get a token sampled.
+        # The sequences that reach their last token this step get a token sampled; a prompt
+        # with n completions gets n, one per fork, from its last token's logits.
         rows = [i for i in range(len(batch)) if batch.samples(i)]
-        requests = [self.requests[batch.seqs[i].request_id] for i in rows]
+        requests = [self._state(batch.seqs[i]) for i in rows]
+        forks = [(i, r) for i, r in zip(rows, requests) if r.seq.num_forks]
+        for i, first in forks:
+            rows += [i] * first.seq.num_forks
+            requests += first.group[1:]
         # A sequence whose newest token the step in flight sampled reads it on the device.
         previous = None
         if self._in_flight is not None and self._in_flight.sampled is not None:
@@ -206,6 +227,8 @@ class LLMEngine:
         run_seconds = time.perf_counter() - run_start
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        for _, first in forks:
+            self._fork(first)
         for request in requests:
             request.seq.num_pending += 1  # its token is on the device until this step is processed
         return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: j for j, r in enumerate(requests)},
@@ -218,11 +241,11 @@ class LLMEngine:
         self._waited += time.perf_counter() - wait_start
         for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
-        outputs, finished = [], []
+        finished, touched = [], {}
         for j, request in enumerate(step.requests):
             seq = request.seq
             seq.num_pending -= 1
-            if self.requests.get(seq.request_id) is not request:
+            if self.requests.get(seq.request_id) is not request.group[0] or seq.is_finished:
                 continue  # aborted, or finished by an earlier step, while this one ran
             if j in sampled.errors:
                 self._fail(request, sampled.errors[j])
@@ -234,9 +257,14 @@ class LLMEngine:
                     self._fail(request, f"processing its output failed: {type(e).__name__}")
             if seq.is_finished:
                 finished.append(seq.seq_id)
-                del self.requests[seq.request_id]
-            if seq.is_finished or request.stream:
-                outputs.append(self.output_processor.make_output(request))
+            touched[seq.request_id] = request.group[0]
+        outputs = []
+        for request_id, first in touched.items():
+            done = all(r.seq.is_finished for r in first.group)
+            if done:
+                del self.requests[request_id]
+            if done or first.stream:
+                outputs.append(self.output_processor.make_output(first))
         return outputs, finished
 
     def _account(self, step: "LaunchedStep", elapsed: float, finished: list[int]) -> None:
@@ -264,6 +292,17 @@ class LLMEngine:
             attention_pairs=sum(n * s.num_computed_tokens + n * (n + 1) // 2
                                 for s, n in zip(batch.seqs, batch.num_new_tokens)),
         )
+
+    def _state(self, seq: Sequence) -> RequestState:
+        return self.requests[seq.request_id].group[seq.index]
+
+    def _fork(self, first: RequestState) -> None:
+        """The prompt of ``first`` is computed: its other completions start from its blocks."""
+        for request in first.group[1:]:
+            self.block_manager.fork(first.seq, request.seq)
+            request.seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(request.seq)
+        first.seq.num_forks = 0
 
     def _append_token(self, request: RequestState, token: int, logprobs) -> None:
         reason = self.output_processor.append_token(request, token, logprobs)

@@ -44,19 +44,25 @@ class StepInputs:
     # Asynchronous scheduling: input tokens the previous step sampled, still on the device.
     # Input row pending_dst[i] is row pending_src[i] of that step's sampled tokens.
     num_pending: int = 0
+    # Copy on write (SamplingParams.n): KV blocks copy_src[i] -> copy_dst[i], before the step.
+    num_copies: int = 0
+    # Do the logits rows name every sequence's last token, in order? (Then no gather.)
+    logits_of_every_sequence: bool = False
 
     @staticmethod
     def sizes(num_tokens: int, num_seqs: int, block_table_width: int, num_logits: int,
-              num_pending: int = 0) -> dict[str, int]:
+              num_pending: int = 0, num_copies: int = 0) -> dict[str, int]:
         """The fields of the flat array, in order, and their lengths."""
         return {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
                 "context_lens": num_seqs, "cu_seqlens_q": num_seqs + 1, "logits_indices": num_logits,
-                "block_tables": num_seqs * block_table_width, "pending_dst": num_pending, "pending_src": num_pending}
+                "block_tables": num_seqs * block_table_width, "pending_dst": num_pending, "pending_src": num_pending,
+                "copy_src": num_copies, "copy_dst": num_copies}
 
     def fields(self, flat):
         """``flat`` (this step's host array, or its copy on the device) cut into named views."""
         views, start = {}, 0
-        sizes = self.sizes(self.num_tokens, self.num_seqs, self.block_table_width, self.num_logits, self.num_pending)
+        sizes = self.sizes(self.num_tokens, self.num_seqs, self.block_table_width, self.num_logits, self.num_pending,
+                           self.num_copies)
         for name, n in sizes.items():
             views[name] = flat[start : start + n]
             start += n
@@ -191,13 +197,15 @@ class ModelRunner:
         num_tokens, num_seqs, num_logits = len(input_ids), len(batch.seqs), len(rows)
         width = max(len(seq.block_table) for seq in batch.seqs)
         # Everything goes to the device in one copy: one int64 array, cut into named views.
-        num_pending = len(pending_dst)
-        host = np.full(sum(StepInputs.sizes(num_tokens, num_seqs, width, num_logits, num_pending).values()), -1,
-                       dtype=np.int64)
+        num_pending, copies = len(pending_dst), batch.block_copies
+        sizes = StepInputs.sizes(num_tokens, num_seqs, width, num_logits, num_pending, len(copies))
+        host = np.full(sum(sizes.values()), -1, dtype=np.int64)
         step = StepInputs(host, num_tokens, num_seqs, width, num_logits, any(n > 1 for n in batch.num_new_tokens),
-                          max(batch.num_new_tokens), max(context_lens), num_pending)
+                          max(batch.num_new_tokens), max(context_lens), num_pending, len(copies),
+                          logits_of_every_sequence=list(rows) == list(range(num_seqs)))
         f = step.fields(host)
         f["pending_dst"][:], f["pending_src"][:] = pending_dst, pending_src
+        f["copy_src"][:], f["copy_dst"][:] = [c[0] for c in copies], [c[1] for c in copies]
         f["input_ids"][:], f["positions"][:], f["slot_mapping"][:] = input_ids, positions, slots
         f["context_lens"][:], f["cu_seqlens_q"][:] = context_lens, cu
         f["logits_indices"][:] = [cu[i + 1] - 1 for i in rows]  # each sampled sequence's last token
@@ -215,6 +223,8 @@ class ModelRunner:
         f = step.fields(self._to_device(step.host))
         if step.num_pending:
             f["input_ids"][f["pending_dst"]] = previous_tokens[f["pending_src"]]
+        if step.num_copies:  # before this step writes into the copies: [2, layers, blocks, ...]
+            self.kv_cache[:, :, f["copy_dst"]] = self.kv_cache[:, :, f["copy_src"]]
         set_context(
             is_prefill=step.is_prefill,
             cu_seqlens_q=f["cu_seqlens_q"],
@@ -224,7 +234,7 @@ class ModelRunner:
             max_seqlen_q=step.max_seqlen_q,
             max_context_len=step.max_context_len,
             # Every sequence's last token is what the LM head takes by default: no gather.
-            logits_indices=None if step.num_logits == step.num_seqs else f["logits_indices"],
+            logits_indices=None if step.logits_of_every_sequence else f["logits_indices"],
         )
         return f["input_ids"], f["positions"]
 

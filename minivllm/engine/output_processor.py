@@ -40,6 +40,9 @@ class RequestState:
     stop_strings: StopStrings | None = None
     stop_state: int = 0  # where the stop-string automaton stands
     error: str | None = None  # why the engine failed this request alone (finish_reason "error")
+    # The request's completions, in index order (SamplingParams.n; one for n = 1): the same
+    # list in each of them. The first computes the prompt, then forks into the others.
+    group: list["RequestState"] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -115,6 +118,19 @@ class OutputProcessor:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def make_output(self, request: RequestState) -> RequestOutput:
+        """The output of the request ``request`` belongs to: every completion of its group."""
+        first = request.group[0]
+        return RequestOutput(
+            request_id=first.seq.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(r) for r in request.group],
+            finished=all(r.seq.is_finished for r in request.group),
+            num_cached_tokens=first.seq.num_cached_tokens,
+            error=next((r.error for r in request.group if r.error is not None), None),
+        )
+
+    def _completion(self, request: RequestState) -> CompletionOutput:
         seq = request.seq
         text = request.text
         if request.stop_strings is not None and not seq.is_finished:
@@ -123,21 +139,12 @@ class OutputProcessor:
             # stream never sends text it would have to take back.
             text = text[: max(0, len(text) - request.stop_strings.hold_back)]
         want_logprobs = seq.sampling_params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,  # a slice: already a copy
             cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             logprobs=list(request.logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            error=request.error,
         )

@@ -33,6 +33,10 @@ class Sequence:
         # the host does not know yet. The scheduler counts them (the next step computes the
         # newest one); token_ids gets them when the step that sampled them is processed.
         self.num_pending = 0
+        # SamplingParams.n: which of the request's completions this is, and (for the first,
+        # which computes the prompt) how many more it forks into once the prompt is done.
+        self.index = 0
+        self.num_forks = 0
         self.num_preemptions = 0
 
     def __len__(self) -> int:

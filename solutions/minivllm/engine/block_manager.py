@@ -56,6 +56,9 @@ class BlockManager:
         # be taken out of the middle in O(1) when a new sequence hits it.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cache_hit_tokens = 0  # running total, for the step trace
+        # Copy-on-write copies (source block, destination block) that the next step must make
+        # on the device before it writes (see grow); the scheduler hands them to the step.
+        self.block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -127,16 +130,48 @@ class BlockManager:
     # -- growth during decode ----------------------------------------------------------
 
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
-        """How many more blocks seq needs to compute num_new_tokens more tokens."""
+        """How many more blocks seq needs to compute num_new_tokens more tokens (a private
+        copy of a shared block it is about to write included)."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, seq.num_blocks_needed(self.block_size, total) - len(seq.block_table))
+        new = max(0, seq.num_blocks_needed(self.block_size, total) - len(seq.block_table))
+        return new + (self._shared_block_to_write(seq) is not None)
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_to_grow(seq, num_new_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        shared = self._shared_block_to_write(seq)
+        if shared is not None:
+            # Copy on write: the partly filled block seq shares with its forks gets a copy of
+            # its own, made on the device before the step writes into it.
+            old, new = seq.block_table[shared], self._take_free_block()
+            self.blocks[old].ref_count -= 1
+            seq.block_table[shared] = new
+            self.block_copies.append((old, new))
         for _ in range(self.blocks_to_grow(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
+
+    def _shared_block_to_write(self, seq: Sequence) -> int | None:
+        """Where in seq's table the block it writes next is, if another sequence holds it
+        too: a partly filled block that forks of one prompt share (full blocks are never
+        written again). None otherwise."""
+        i, offset = divmod(seq.num_computed_tokens, self.block_size)
+        if offset and i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child continues from parent's computed tokens, in parent's blocks (SamplingParams.n:
+        the prompt is computed once for all n completions)."""
+        assert not child.block_table, f"sequence {child.seq_id} already holds blocks"
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that computing tokens has just filled, so later requests can hit them."""

@@ -25,6 +25,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
     preempted: list[Sequence] = field(default_factory=list)
+    # Copy-on-write: blocks to copy (source, destination) on the device before the step runs.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -86,6 +88,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
                 break  # (a preempted sequence is recomputed once its last token is on the host)
+            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
+                break  # room for its n - 1 forks too (SamplingParams.n)
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -94,6 +98,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        batch.block_copies = self.block_manager.take_block_copies()
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
@@ -114,15 +119,15 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    if seq.status == SequenceStatus.WAITING:
-                        self.waiting.remove(seq)
-                        self.block_manager.free(seq)  # a preempted one holds none; harmless
-                        seq.status = SequenceStatus.FINISHED
-                        seq.finish_reason = "abort"
-                    else:
-                        self.finish(seq, "abort")
-                    return seq
-        return None
+        """End every sequence of the request (one, or n with SamplingParams.n); return the
+        first of them, or None if it holds none."""
+        aborted = [seq for queue in (self.waiting, self.running) for seq in queue if seq.request_id == request_id]
+        for seq in aborted:
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                self.block_manager.free(seq)  # a preempted one holds none; harmless
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+            else:
+                self.finish(seq, "abort")
+        return aborted[0] if aborted else None
