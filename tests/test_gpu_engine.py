@@ -94,3 +94,22 @@ def test_kv_pool_sized_from_measured_memory(tmp_path):
     block = large.engine.runner.block_bytes
     # Doubling the share adds about 10% of the card's memory worth of blocks.
     assert abs((n_large - n_small) * block - 0.1 * total) < 0.02 * total
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_n_completions_fork_the_prompt_on_the_gpu(tmp_path, async_scheduling):
+    """SamplingParams.n on the GPU (copy on write of the shared block through the device's KV
+    pool, CUDA graphs, asynchronous scheduling or not): each completion is what a separate
+    request with seed + i gives (float32, so a different batch cannot flip a draw)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_checkpoint(tmp_path, seed=12, max_position_embeddings=1024)
+    llm = LLM(str(path), dtype="float32", gpu_memory_utilization=0.1, block_size=16,
+              async_scheduling=async_scheduling)
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(3)).tolist()  # a partial block
+    [out] = llm.generate([prompt], SamplingParams(n=5, temperature=1.0, seed=21, max_tokens=40, ignore_eos=True),
+                         use_tqdm=False)
+    separate = llm.generate([prompt] * 5, [SamplingParams(temperature=1.0, seed=21 + i, max_tokens=40,
+                                                          ignore_eos=True) for i in range(5)], use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in separate]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
