@@ -38,7 +38,7 @@ def padded(lists: list[list[int]], width: int, left: bool = False) -> np.ndarray
     """[len(lists), width] int64, each list padded with -1 (on the left: its last ids kept)."""
     out = np.full((len(lists), width), -1, dtype=np.int64)
     for r, ids in enumerate(lists):
-        ids = list(ids[len(ids) - width :] if left else ids[:width]) if width else []
+        ids = list(ids[max(0, len(ids) - width) :] if left else ids[:width]) if width else []
         if ids:
             if left:
                 out[r, width - len(ids) :] = ids
