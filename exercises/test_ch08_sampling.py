@@ -7,7 +7,10 @@ keeps everything), against float64 arithmetic and against transformers'
 after a top-k cut. Kept logits must come back unchanged, dropped ones as -inf. Your
 ``gumbel_max_sample`` must return the exact argmax of probs / noise for given noise, and
 many draws must reproduce the probabilities; then the engine's seeded sampling must be
-reproducible whatever else is in the batch.
+reproducible whatever else is in the batch. Your ``repetition_penalty``
+(exercises/minivllm/layers/penalties.py) is checked by hand, against a loop over random
+logits with a different penalty per row (above and below 1), and through the sampler, where
+a token seen only in the prompt must be penalised as much as one the request generated.
 """
 import math
 
@@ -19,6 +22,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from minivllm.layers.logits_processors import TokenHistory
+from minivllm.layers.penalties import repetition_penalty
 from minivllm.layers.sampler import Sampler, gumbel_max_sample, top_k_mask, top_p_mask
 from minivllm.sampling_params import SamplingParams
 from minivllm.testing import torch_threads
@@ -203,3 +208,43 @@ def test_ch08_seeded_requests_are_reproducible_in_any_batch(tiny_qwen3):
     assert a == b, f"the same seed gave {a} alone and {b} in a batch"
     assert a != other_seed.outputs[0].token_ids, "two different seeds gave the same 16 tokens: is the noise used?"
     assert a != greedy.outputs[0].token_ids, "sampling at temperature 1.3 gave exactly the greedy tokens: is the noise used?"
+
+
+def test_ch08_repetition_penalty_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 0.0, 4.0]])
+    seen = torch.tensor([[True, True, False, True, True, False]])
+    out = repetition_penalty(logits, seen, torch.tensor([2.0]))
+    # Seen: 2 / 2, -1 * 2, -3 * 2, 0 stays 0; not seen: unchanged. Dividing a negative logit
+    # would raise it (make the token *more* likely): negative logits are multiplied.
+    assert out.tolist() == [[1.0, -2.0, 0.5, -6.0, 0.0, 4.0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ch08_repetition_penalty_matches_a_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 5, 40
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    seen = torch.rand(rows, vocab, generator=gen) < 0.4
+    penalty = torch.tensor([1.3, 0.6, 1.0, 2.5, 0.9])  # each row its own; below 1 rewards repeats
+    out = repetition_penalty(logits.clone(), seen, penalty)
+    assert out.shape == logits.shape
+    for r in range(rows):
+        for t in range(vocab):
+            x = logits[r, t].item()
+            want = (x / penalty[r].item() if x > 0 else x * penalty[r].item()) if seen[r, t] else x
+            assert out[r, t].item() == pytest.approx(want, rel=1e-6, abs=1e-6), (r, t, x)
+
+
+def test_ch08_repetition_penalty_covers_the_prompt():
+    # Through the sampler: token 3 only in the prompt, token 5 only in the output; both are
+    # the row's strongest logits, both must be penalised, and greedy then picks token 7.
+    logits = torch.full((1, 10), -1.0)
+    logits[0, 3], logits[0, 5], logits[0, 7] = 3.0, 2.9, 1.0
+    history = TokenHistory([[3, 3]], [[5]], [-1], None, [[]])
+    params = [SamplingParams(temperature=0, repetition_penalty=4.0)]
+    out = Sampler()(logits.clone(), params, [None], history=history)
+    assert out.token_ids == [7], "a token seen in the prompt (or the output) must have its logit penalised"
+    # A penalty below 1 rewards the tokens seen: the prompt's 3 stays first.
+    rewarded = Sampler()(logits.clone(), [SamplingParams(temperature=0, repetition_penalty=0.5)], [None],
+                         history=history)
+    assert rewarded.token_ids == [3]

@@ -31,6 +31,18 @@ class SamplingParams:
     logprobs: int | None = None  # also return this many top log-probabilities per token
     skip_special_tokens: bool = True
     n: int = 1  # completions of the prompt; the prompt is computed once and its KV blocks shared
+    # Penalties on tokens already seen. presence / frequency (OpenAI's): subtract the penalty
+    # once / once per occurrence for each token the request has generated. repetition (the
+    # CTRL paper's, as in Hugging Face): a token in the prompt or the output has its logit
+    # divided by the penalty when positive, multiplied when negative (1 = off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    bad_words: list[str] | None = None  # never generate these words
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,6 +73,43 @@ class SamplingParams:
         _check(_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "an int in [0, 20], or None")
+        self._check_penalties_and_masks()
+
+    def _check_penalties_and_masks(self) -> None:
+        """The ranges are vLLM's. Token ids are checked against the vocabulary where it is
+        known, when the engine takes the request (LLMEngine.validate_request)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_real(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _check(_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a finite number > 0 (1 means no penalty)")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
+            _check(all(_int(t) and t >= 0 for t in self.logit_bias), "logit_bias", self.logit_bias,
+                   "keyed by token ids (ints >= 0)")
+            _check(all(_real(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+                   self.logit_bias, "biases in [-100, 100]")
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0,
+                   "allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids, or None")
+            _check(all(_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                   self.allowed_token_ids, "ints >= 0")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip()
+                                                                      for w in self.bad_words),
+                   "bad_words", self.bad_words, "a list of non-blank strings, or None")
+            self.bad_words = list(self.bad_words)
+        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+               self.include_stop_str_in_output, "a bool")
+        _check(self.truncate_prompt_tokens is None or (_int(self.truncate_prompt_tokens)
+                                                       and self.truncate_prompt_tokens >= 1),
+               "truncate_prompt_tokens", self.truncate_prompt_tokens, "an int >= 1, or None")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.state_pool import HybridCacheManager
+from minivllm.layers.logits_processors import TokenHistory
 from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
@@ -97,6 +98,8 @@ class LLMEngine:
         """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
         self._check_running()
         params = sampling_params or SamplingParams()
+        if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens :]  # the last k, as in vLLM
         self.validate_request(prompt_token_ids, params)
         first = Sequence(prompt_token_ids, params, request_id)
         if first.request_id in self.requests:
@@ -135,7 +138,9 @@ class LLMEngine:
         """Raise ValueError (InvalidParameter for a sampling field) for a request this engine
         would refuse. Reads only fixed sizes, so it is safe beside a running step."""
         self.validate_prompt(token_ids)
-        if len(self.output_processor.banned_ids(params)) == self.runner.model_config.vocab_size:
+        vocab = self.runner.model_config.vocab_size
+        banned = self.output_processor.banned_ids(params)
+        if len(banned) == vocab:
             raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
                                    "vocabulary: nothing could be sampled", "stop_token_ids")
         if params.n > self.config.max_num_seqs:
@@ -144,6 +149,21 @@ class LLMEngine:
         if params.n > 1 and self.runner.num_state_slots:
             raise InvalidParameter("SamplingParams.n > 1 is not supported for hybrid models: their completions "
                                    "would have to fork the recurrent state too", "n")
+        # Token ids the sampler indexes the logits with must be in the vocabulary.
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameter(f"SamplingParams.logit_bias has token id {max(params.logit_bias)}: "
+                                   f"must be in [0, {vocab})", "logit_bias")
+        if params.allowed_token_ids is not None:
+            if max(params.allowed_token_ids) >= vocab:
+                raise InvalidParameter(f"SamplingParams.allowed_token_ids has token id "
+                                       f"{max(params.allowed_token_ids)}: must be in [0, {vocab})", "allowed_token_ids")
+            if not set(params.allowed_token_ids) - set(banned):
+                raise InvalidParameter("SamplingParams.allowed_token_ids are all stop or EOS ids banned before "
+                                       "min_tokens: nothing could be sampled", "allowed_token_ids")
+        bad = [t for ids in self.output_processor.bad_word_ids(params) for t in ids if t >= vocab]
+        if bad:
+            raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
+                                   f"model's vocabulary [0, {vocab})", "bad_words")
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -221,9 +241,10 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight.sampled is not None:
             previous = (self._in_flight.sampled.token_ids, self._in_flight.row_of)
         run_start = time.perf_counter()
+        history = token_history(requests, previous) if any(r.needs_history for r in requests) else None
         sampled = self.runner.run(batch, rows, [r.seq.sampling_params for r in requests],
                                   [r.generator for r in requests], [self.output_processor.banned(r) for r in requests],
-                                  previous)
+                                  previous, history)
         run_seconds = time.perf_counter() - run_start
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -328,6 +349,20 @@ class LaunchedStep:
     cache_hit_tokens: int
     run_seconds: float  # the host's time putting it on the device
     trace: dict | None
+
+
+def token_history(requests: list[RequestState], previous: tuple[torch.Tensor, dict[int, int]] | None) -> TokenHistory:
+    """What each sampled row has seen, for its penalties and bad words (empty lists for a row
+    that uses neither). A token the step in flight sampled is not on the host yet: its place
+    in that step's tokens, on the device, is passed instead."""
+    prompt, output, pending, bad_words = [], [], [], []
+    for r in requests:
+        seq, params = r.seq, r.seq.sampling_params
+        prompt.append(r.prompt_token_ids if params.repetition_penalty != 1 else [])
+        output.append(seq.output_token_ids if r.needs_history else [])
+        pending.append(previous[1][seq.seq_id] if seq.num_pending and r.needs_history else -1)
+        bad_words.append(r.bad_words)
+    return TokenHistory(prompt, output, pending, previous[0] if previous is not None else None, bad_words)
 
 
 def is_decode(seq: Sequence, num_new_tokens: int) -> bool:

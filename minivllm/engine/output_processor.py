@@ -14,7 +14,7 @@ import torch
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stop_strings import StopStrings, stop_strings
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
 
 
@@ -37,6 +37,10 @@ class RequestState:
     prompt_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
     banned: list[int] = field(default_factory=list)  # ids that may not be drawn before min_tokens
+    bad_words: list[list[int]] = field(default_factory=list)  # its bad words, tokenized
+    # Does the sampler need the tokens it has seen (penalties, bad words)? Worked out once,
+    # so a batch that uses neither pays one attribute read per row for them.
+    needs_history: bool = False
     stop_strings: StopStrings | None = None
     stop_state: int = 0  # where the stop-string automaton stands
     error: str | None = None  # why the engine failed this request alone (finish_reason "error")
@@ -61,14 +65,34 @@ class OutputProcessor:
         eos = set() if params.ignore_eos else self.eos_token_ids
         return sorted({t for t in eos | set(params.stop_token_ids) if t < self.vocab_size})
 
+    def bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: as written (with its leading
+        spaces removed), and, where the tokenizer gives a different first token and the same
+        length, after a space too (a word in the middle of a text usually starts with one)."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise InvalidParameter("SamplingParams.bad_words needs a tokenizer: this model ships none",
+                                   "bad_words")
+        words = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words += [ids for ids in (plain,) if ids]
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        return words
+
     def new_request(self, seq: Sequence, prompt: str | None, generator: torch.Generator | None,
                     stream: bool) -> RequestState:
         params = seq.sampling_params
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+        bad_words = self.bad_word_ids(params)
         return RequestState(
             seq, prompt, detokenizer, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,
             stop_token_ids=frozenset(params.stop_token_ids), banned=self.banned_ids(params),
-            stop_strings=stop_strings(tuple(params.stop)) if params.stop else None)
+            stop_strings=stop_strings(tuple(params.stop)) if params.stop else None,
+            bad_words=bad_words, needs_history=params.uses_penalties or bool(bad_words))
 
     def banned(self, request: RequestState) -> list[int]:
         """What this request may not draw at this step."""
@@ -93,10 +117,10 @@ class OutputProcessor:
         past_min = seq.num_output_tokens >= params.min_tokens
         if not params.ignore_eos and token in self.eos_token_ids and past_min:
             request.stop_reason = None
-            return "stop"
+            return self._stopped_by_token(request)
         if token in request.stop_token_ids and past_min:
             request.stop_reason = token
-            return "stop"
+            return self._stopped_by_token(request)
         if request.detokenizer is not None:
             before = len(request.text)
             request.text += request.detokenizer.step(seq.output_token_ids)
@@ -106,13 +130,20 @@ class OutputProcessor:
                 request.stop_state, at, stop = request.stop_strings.feed(
                     request.stop_state, request.text, before, report=past_min)
                 if at is not None:
-                    request.text = request.text[:at]
+                    request.text = request.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                     request.stop_reason = stop
                     return "stop"
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
                 seq.num_tokens >= self.max_model_len):
             return "length"
         return None
+
+    def _stopped_by_token(self, request: RequestState) -> str:
+        """A stop token's text is left out of the output unless include_stop_str_in_output
+        (as in vLLM; with skip_special_tokens an EOS adds nothing either way)."""
+        if request.seq.sampling_params.include_stop_str_in_output and request.detokenizer is not None:
+            request.text += request.detokenizer.step(request.seq.output_token_ids)
+        return "stop"
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -133,10 +164,12 @@ class OutputProcessor:
     def _completion(self, request: RequestState) -> CompletionOutput:
         seq = request.seq
         text = request.text
-        if request.stop_strings is not None and not seq.is_finished:
+        keeps_stop = seq.sampling_params.include_stop_str_in_output
+        if request.stop_strings is not None and not seq.is_finished and not keeps_stop:
             # The end of the text may be the start of a stop string that later tokens
             # complete, and then it is cut off: hold it back until that is ruled out, so a
-            # stream never sends text it would have to take back.
+            # stream never sends text it would have to take back. (A stop string kept in
+            # the output cuts nothing that was sent: it ends after the text before it.)
             text = text[: max(0, len(text) - request.stop_strings.hold_back)]
         want_logprobs = seq.sampling_params.logprobs is not None
         return CompletionOutput(

@@ -1,4 +1,5 @@
-"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, seeds.
+"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, seeds (and,
+first, each request's own changes to its logits: ``minivllm.layers.logits_processors``).
 
 Each row of the batch has its own parameters. Filters set the logits of excluded tokens
 to -inf; the draw itself uses the Gumbel-max trick in its exponential form:
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.layers.logits_processors import TokenHistory, process_logits
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,9 +122,9 @@ def rows_to_device(values: list[list[float]], dtype: torch.dtype, device: torch.
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 banned: list[list[int]] | None = None) -> SamplerOutput:
+                 banned: list[list[int]] | None = None, history: TokenHistory | None = None) -> SamplerOutput:
         """Sample a token for each row of logits; the tokens (and log-probs) on the host."""
-        return self.launch(logits, params, generators, banned).to_host()
+        return self.launch(logits, params, generators, banned, history).to_host()
 
     def launch(
         self,
@@ -130,10 +132,13 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None = None,
+        history: TokenHistory | None = None,
     ) -> SampledTokens:
-        """The same, leaving the tokens on the device (their copy to the host under way)."""
+        """The same, leaving the tokens on the device (their copy to the host under way).
+        ``history``: what each row has seen, for the penalties and bad words (None when no
+        row uses them)."""
         try:
-            return self.sample(logits, params, generators, banned)
+            return self.sample(logits, params, generators, banned, history)
         except NotImplementedError:
             raise  # missing code (an exercise left blank) is nobody's request
         except Exception:
@@ -148,7 +153,8 @@ class Sampler:
         for row in range(len(params)):
             try:
                 one = self.sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1],
-                                  banned[row : row + 1] if banned else None).to_host()
+                                  banned[row : row + 1] if banned else None,
+                                  history.row(row) if history else None).to_host()
                 out.token_ids += one.token_ids
                 out.logprobs += one.logprobs
             except NotImplementedError:
@@ -164,12 +170,13 @@ class Sampler:
             out.errors[row] = f"sampling failed: {type(e).__name__}"
         return SampledTokens.on_host(out, logits.device)
 
-    def sample(self, logits, params, generators, banned) -> SampledTokens:
+    def sample(self, logits, params, generators, banned, history=None) -> SampledTokens:
         logits = logits.float()
         device, vocab = logits.device, logits.shape[-1]
         ks = [p.logprobs for p in params]
         # Log-probabilities are reported as the model gave them, before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in ks) else None
+        logits = process_logits(logits, params, history)  # returns logits itself when no row asks
         if banned and any(banned):  # e.g. EOS before min_tokens is reached
             cells = [[row, token] for row, ids in enumerate(banned) for token in ids]
             where = rows_to_device(cells, torch.long, device)

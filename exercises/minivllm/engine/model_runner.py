@@ -257,13 +257,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned,
-            previous: tuple[torch.Tensor, dict[int, int]] | None = None) -> SampledTokens | None:
+            previous: tuple[torch.Tensor, dict[int, int]] | None = None, history=None) -> SampledTokens | None:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``. The
         tokens come back on the device, their copy to the host on its way."""
         logits = self.execute(*self.prepare(batch, rows_to_sample, previous))
         if logits is None:
             return None
-        return self.sampler.launch(logits, params, generators, banned)
+        return self.sampler.launch(logits, params, generators, banned, history)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
