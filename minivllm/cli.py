@@ -77,7 +77,7 @@ def server_config(args):
     return config
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -128,11 +128,21 @@ def main(argv: list[str] | None = None) -> None:
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
     bench.add_argument("--num-requests", type=int, default=None, help="serving: requests per rate")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "serve":
         if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
             parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model or args.model_tag
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
 
     if args.command == "generate":
         from minivllm import LLM, SamplingParams
