@@ -8,32 +8,66 @@ MODEL_HELP = "a local folder or hub id (default: the bundled model)"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
 
 
+# The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
+# command line has no use for (the model is the command's; record_trace is for notebooks).
+NOT_ENGINE_FLAGS = ("model", "record_trace")
+
+
+def engine_fields():
+    """EngineConfig's fields, each of which ``add_engine_args`` makes a flag."""
+    import dataclasses
+
+    from minivllm.config import EngineConfig
+
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
+
+
 def engine_args(args) -> dict:
-    """The engine arguments a command line gave (None: the engine's default)."""
-    names = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-             "num_kv_blocks", "enforce_eager")
-    given = {name: getattr(args, name, None) for name in names}
-    return {k: v for k, v in given.items() if v not in (None, False)}
+    """The engine arguments a command line gave; a flag left out is left to the engine's
+    default. A value given is passed on as it is, zero and False included, for EngineConfig
+    to honour or refuse (``--max-num-seqs 0`` is an error, not the default)."""
+    given = {f.name: getattr(args, f.name, None) for f in engine_fields()}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16 or float16")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    """A flag for every EngineConfig field (``max_num_seqs`` -> ``--max-num-seqs``; a bool
+    gets its ``--no-`` twin), so that a new engine setting is on the command line at once."""
+    import dataclasses
+    import types
+
+    group = parser.add_argument_group("engine", "EngineConfig's fields (left out: the engine's default)")
+    for f in engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kinds = set(f.type.__args__) - {type(None)} if isinstance(f.type, types.UnionType) else {f.type}
+        default = None if f.default is dataclasses.MISSING else f.default
+        if f.name == "dtype":
+            group.add_argument(flag, default=None, help="auto (default), float32, bfloat16 or float16")
+        elif f.name == "device":
+            group.add_argument(flag, default=None, help="default: cuda if there is a GPU, else cpu")
+        elif kinds == {bool}:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"default: {'the engine decides' if default is None else default}")
+        elif len(kinds) == 1 and kinds <= {int, float, str}:
+            group.add_argument(flag, type=kinds.pop(), default=None,
+                               help=f"default: {'the engine decides' if default is None else default}")
+        else:
+            raise TypeError(f"EngineConfig.{f.name}: no command-line flag for a field of type {f.type}")
 
 
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
     from minivllm.server.api import ServerConfig
 
+    from minivllm.tokenizer import resolve_chat_template
+
     config = ServerConfig(api_key=args.api_key)
-    for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids"):
-        if getattr(args, name) is not None:
+    for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
+        if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
+    if getattr(args, "chat_template", None) is not None:
+        config.chat_template = resolve_chat_template(args.chat_template)
+    config.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
     if args.allowed_hosts is not None:
         config.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     elif args.host not in LOOPBACK_HOSTS:
@@ -43,7 +77,7 @@ def server_config(args):
     return config
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -62,12 +96,19 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--seed", type=int, default=None)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (or --model)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
     serve.add_argument("--served-model-name", default=None,
-                       help="the name clients ask for (default: --model as given, or 'bundled')")
+                       help="the name clients ask for (default: the model as given, or 'bundled')")
     serve.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and the docs")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    serve.add_argument("--max-prompts", type=int, default=None, help="prompts per /v1/completions batch (default 256)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, to use "
+                                                             "instead of the tokenizer's")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (a template is code the server runs)")
     serve.add_argument("--max-request-bytes", type=int, default=None, help="refuse bigger bodies (default 16 MiB)")
     serve.add_argument("--max-stop", type=int, default=None, help="stop strings per request (default 64)")
     serve.add_argument("--max-stop-chars", type=int, default=None, help="characters per stop string (default 256)")
@@ -87,7 +128,21 @@ def main(argv: list[str] | None = None) -> None:
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
     bench.add_argument("--num-requests", type=int, default=None, help="serving: requests per rate")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model or args.model_tag
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
 
     if args.command == "generate":
         from minivllm import LLM, SamplingParams
@@ -105,12 +160,18 @@ def main(argv: list[str] | None = None) -> None:
         from minivllm.server.api import serve as run_server
         from minivllm.server.async_engine import AsyncLLMEngine
 
-        config = server_config(args)
+        try:
+            config = server_config(args)
+        except ValueError as e:  # a --chat-template that is neither a file nor a template
+            parser.error(str(e))
         if args.host not in LOOPBACK_HOSTS and args.api_key is None:
             print(f"warning: serving on {args.host} with no --api-key: anyone who can reach it can use it",
                   file=sys.stderr)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-        llm = LLM(args.model, **engine_args(args))
+        try:
+            llm = LLM(args.model, **engine_args(args))
+        except ValueError as e:  # a flag EngineConfig refuses (--max-num-seqs 0), a model past its limits
+            parser.error(str(e))
         name = args.served_model_name or (args.model or "bundled")
         sys.exit(run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, config))
     elif args.command == "bench":

@@ -241,6 +241,10 @@ class EngineConfig:
     # the CPU (where nothing runs beside the host) and under tensor parallelism (the other
     # ranks would need the sampled tokens that only rank 0 holds).
     async_scheduling: bool | None = None
+    # Where the default sampling settings come from (vLLM's --generation-config): "auto", the
+    # checkpoint's generation_config.json; "vllm", none (SamplingParams' own); or a folder
+    # holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if self.async_scheduling is None:
@@ -257,6 +261,36 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.cpu_kv_cache_space <= 0:
             raise ValueError(f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 (GiB)")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder")
+
+    def check_max_model_len(self, model_config: ModelConfig) -> None:
+        """A max_model_len past the model's positions is refused (as vLLM does): RoPE and the
+        model were never trained there, so it would not be a longer context but garbage."""
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} is more than this model's max_position_embeddings "
+                             f"({limit}): leave it out, or give at most {limit}")
+
+
+# The sampling settings a generation_config.json may give defaults for (vLLM takes these,
+# and repetition_penalty, which minivllm does not have yet).
+GENERATION_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+
+
+def generation_defaults(model: str | Path, generation_config: str = "auto") -> dict:
+    """The defaults a checkpoint's authors chose for the sampling fields, from its
+    generation_config.json (``generation_config`` as EngineConfig's): the settings a request
+    leaves out take these, offline and served. A file that does not exist gives none."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model) if generation_config == "auto" else Path(generation_config)
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    hf = json.loads(file.read_text())
+    # top_k 0 in transformers means "off", as it does in SamplingParams: kept as is.
+    return {name: kind(hf[name]) for name, kind in GENERATION_DEFAULTS.items() if hf.get(name) is not None}
 
 
 def _positive(config, *names: str) -> None:

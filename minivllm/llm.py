@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, generation_defaults
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.tokenizer import encode_chat, load_tokenizer
+from minivllm.tokenizer import encode_chat, load_tokenizer, message_text
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "bundled"
 ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device"}
@@ -68,6 +68,10 @@ class LLM:
             model=str(path), dtype=resolve_dtype(dtype, model_config.torch_dtype, device),
             device=str(device), **engine_args,
         )
+        config.check_max_model_len(model_config)  # before the weights are loaded, not after
+        # The checkpoint's suggested sampling settings, checked now rather than at the first request.
+        self.default_sampling_fields = generation_defaults(path, config.generation_config)
+        SamplingParams(**self.default_sampling_fields)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(path)
@@ -96,7 +100,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -160,18 +164,36 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)  # a no-op once finished
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        A message's content may be a string, a list of text parts or (an assistant's) None,
+        as in the server. ``continue_final_message`` carries on the last message instead of
+        opening a new one (with ``add_generation_prompt=False``); ``chat_template`` replaces
+        the tokenizer's; ``chat_template_kwargs`` are more variables for the template (e.g.
+        Qwen3's ``enable_thinking``)."""
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError("this model's tokenizer has no chat template (pass chat_template=...)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
+            conversation = [{**m, "content": message_text(m.get("content"))} for m in conversation]
             # What the messages say stays text: a special token written in one is not a control token.
-            ids, text = encode_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+            ids, text = encode_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, chat_template=chat_template,
+                                    **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the checkpoint's generation_config.json
+        settings where it has them (``generation_config="vllm"`` ignores the file), else
+        SamplingParams' own defaults."""
+        return SamplingParams(**self.default_sampling_fields)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -16,26 +16,44 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+# How many of the prompt's last tokens the detokenizer decodes the completion after (as
+# vLLM's and ``tokenizers``' DecodeStream do): enough to give the first token its context.
+PROMPT_CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     Decoding token by token breaks characters that span several byte-level tokens, so we
     decode a short window and emit only the text that is complete (no trailing U+FFFD).
+
+    The window starts in the prompt (its last PROMPT_CONTEXT_TOKENS tokens), not at the
+    completion's first token: a SentencePiece (Metaspace) decoder drops the leading space
+    of whatever it decodes first, so "▁world" alone is "world", and every completion would
+    lose its first space; after the prompt's "▁Hello" it is " world".
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_token_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        if self.context and tokenizer.decode(self.context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            # The prompt ends inside a character (token ids cut mid-byte-sequence): its first
+            # completion bytes would merge into that character, and the completion would no
+            # longer be its own tokens' text. Byte-level tokens need no context anyway.
+            self.context = []
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.context)
 
     def step(self, token_ids: list[int]) -> str:
+        """The text that ``token_ids`` (the completion so far) adds since the last call."""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
-        prefix_text = decode(token_ids[self.prefix_offset : self.read_offset])
-        new_text = decode(token_ids[self.prefix_offset :])
+        ids = self.context + token_ids if self.context else token_ids
+        prefix_text = decode(ids[self.prefix_offset : self.read_offset])
+        new_text = decode(ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             return delta
         return ""
 
@@ -54,6 +72,34 @@ def max_token_chars(tokenizer) -> int:
     character as itself). A server refuses a prompt longer than max_model_len times this
     before it spends time tokenizing it."""
     return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def resolve_chat_template(value: str) -> str:
+    """``--chat-template``'s value: a file's path (its text), or the template itself (as vLLM
+    tells them apart: a string that names no file but holds Jinja's braces is a template)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" in value or "\n" in value:
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+
+
+def message_text(content) -> str:
+    """A message's content as text: a string, a list of text parts (OpenAI's
+    ``[{"type": "text", "text": ...}]``, joined), or None (an assistant that said nothing)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"a message's content parts must be text parts "
+                                 f"({{'type': 'text', 'text': ...}}), got {kind!r}")
+        return "".join(part["text"] for part in content)
+    raise ValueError(f"a message's content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -86,7 +86,8 @@ class OutputProcessor:
     def new_request(self, seq: Sequence, prompt: str | None, generator: torch.Generator | None,
                     stream: bool) -> RequestState:
         params = seq.sampling_params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, seq.prompt_token_ids)
+                       if self.tokenizer else None)
         bad_words = self.bad_word_ids(params)
         return RequestState(
             seq, prompt, detokenizer, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,

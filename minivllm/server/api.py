@@ -1,13 +1,17 @@
 """An OpenAI-compatible HTTP API over ``AsyncLLMEngine``, on FastAPI and uvicorn.
 
-    POST /v1/completions        text (or token ids) in, text out
-    POST /v1/chat/completions   messages in, through the tokenizer's chat template
-    GET  /v1/models             the one model served
+    POST /v1/completions        text (or token ids) in, text out; or a batch of prompts, a choice each
+    POST /v1/chat/completions   messages in, through the chat template
+    GET  /v1/models[/{id}]      the one model served
+    POST /tokenize, /detokenize text or messages to token ids, and back (vLLM's)
+    GET  /version               minivllm's version
     GET  /health                200 while the engine loop is alive, 503 after it died (HEAD too)
+    GET  /metrics               Prometheus' text format (see ``metrics``)
     GET  /docs, /openapi.json   the API's description (behind the key when there is one)
 
-With ``stream: true`` the answer is server-sent events: one ``data: {json}`` event per
-engine step that gave the request a token, then ``data: [DONE]``. A client that
+Every response carries an ``X-Request-Id`` header. With ``stream: true`` the answer is
+server-sent events: one ``data: {json}`` event per engine step that gave a prompt of the
+request a token (its choice carries the prompt's ``index``), then ``data: [DONE]``. A client that
 disconnects mid-stream closes the event generator, which aborts the request and frees its
 KV blocks. A non-streaming request is watched for a disconnect too. A stream the engine
 cannot finish ends with an ``{"error": ...}`` event, then ``[DONE]``.
@@ -16,8 +20,8 @@ Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}
 4xx status when the client caused it. Checking happens before anything reaches the engine,
 so a bad request cannot touch another request's state. Every client is assumed careless and
 some hostile, so what one request can cost is bounded before any work is done for it (see
-``ServerConfig``): the body's size, the stop lists, the prompt's length (counted in
-characters before it is tokenized, and tokenized off the event loop).
+``ServerConfig``): the body's size, the stop lists, the number of prompts, the prompt's
+length (counted in characters before it is tokenized, and tokenized off the event loop).
 """
 import asyncio
 import hmac
@@ -26,6 +30,7 @@ import json
 import logging
 import socket
 import threading
+import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -34,11 +39,15 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from minivllm import __version__
+from minivllm.config import generation_defaults
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter
 from minivllm.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from minivllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs,
-                                      completion_logprobs, now, parse_request, to_sampling_params, usage)
+from minivllm.server.metrics import ServerMetrics
+from minivllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, apply_defaults, chat_logprobs, completion_logprobs,
+                                      ignored_fields, now, parse_request, to_sampling_params, usage)
 from minivllm.tokenizer import encode_chat, max_token_chars
 
 logger = logging.getLogger(__name__)
@@ -51,8 +60,9 @@ class ServerConfig:
     """What the server accepts. The defaults suit a server on loopback; each is a flag of
     ``minivllm serve``."""
 
-    api_key: str | None = None  # every /v1 route (and the docs) want 'Authorization: Bearer <key>'
+    api_key: str | None = None  # every route but /health and /metrics wants 'Authorization: Bearer <key>'
     max_request_bytes: int = 16 * 2**20  # a bigger body gets 413 before it is read
+    max_prompts: int = 256  # prompts in one /v1/completions batch: each is a request's worth of work
     max_stop: int = 64  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
     max_stop_token_ids: int = 256
@@ -62,6 +72,15 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=lambda: list(LOOPBACK_HOSTS))
     # Origins whose web pages may call the API from a browser (CORS); none by default.
     allowed_origins: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # Jinja text that replaces the tokenizer's (--chat-template)
+    # A chat_template in a request is code the server would run for a stranger: refused
+    # unless the operator says every client is trusted (as vLLM's flag of the same name).
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self):
+        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
 def sse_event(data: dict) -> str:
@@ -92,11 +111,16 @@ class EventStream(StreamingResponse):
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name``; with an API key (``api_key``
-    or ``config.api_key``), every /v1 route wants ``Authorization: Bearer <key>``."""
+    or ``config.api_key``), every route but /health and /metrics wants
+    ``Authorization: Bearer <key>``."""
     config = config or ServerConfig()
     api_key = api_key if api_key is not None else config.api_key
     tokenizer = engine.tokenizer
     max_model_len = engine.engine.max_model_len
+    engine_config = engine.engine.config
+    # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
+    defaults = generation_defaults(engine_config.model, engine_config.generation_config)
+    metrics = ServerMetrics(engine, model_name)
     # A prompt of more characters than this cannot fit in max_model_len tokens whatever it
     # says (twice the bound, for tokenizers whose normalizer merges characters): refused by
     # its length alone, before any time is spent tokenizing it.
@@ -111,12 +135,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     # FastAPI's own docs pages load their scripts from a CDN and answer without the key:
     # ours are served below, self-contained and behind the key.
     app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIdHeader)
     app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -165,8 +191,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:  # left out: the one model served
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
@@ -187,9 +213,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                                 f"cannot fit in it (at most {max_prompt_chars})", param=param,
                            code="context_length_exceeded")
 
-    def check_prompt(ids: list[int], params, param: str) -> None:
+    def check_prompt(ids: list[int], params, param: str, which: str = "the prompt") -> None:
         if len(ids) >= max_model_len:
-            raise APIError(400, f"this model's context is {max_model_len} tokens, but the prompt has {len(ids)}",
+            raise APIError(400, f"this model's context is {max_model_len} tokens, but {which} has {len(ids)}",
                            param=param, code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
             raise APIError(400, f"this model's context is {max_model_len} tokens, but the request needs "
@@ -200,32 +226,74 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         except InvalidParameter as e:
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, f"{which}: {e}" if which != "the prompt" else str(e), param=param) from None
 
-    async def encode(text: str) -> list[int]:
+    async def encode(text: str, add_special_tokens: bool = False) -> list[int]:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
         check_chars(len(text), "prompt")
         # In a worker thread: a long text takes a while, and the event loop must go on
         # serving everyone else meanwhile (the tokenizer lets go of the GIL while it works).
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def encode_messages(body) -> tuple[list[int], str]:
+        """A chat request's messages through the chat template (the request's, if this server
+        trusts those; else --chat-template's; else the tokenizer's): (token ids, text)."""
+        if body.chat_template is not None and not config.trust_request_chat_template:
+            # A template is code the server runs: a client's could loop for as long as it likes.
+            raise APIError(400, "chat_template: this server uses its own chat template (start it with "
+                                "--trust-request-chat-template to accept one per request)", param="chat_template")
+        template = body.chat_template or config.chat_template
+        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions or start the "
+                                "server with --chat-template", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            # The template and the tokenizer in a worker thread, as for a text prompt.
+            return await asyncio.to_thread(
+                encode_chat, tokenizer, messages, body.add_generation_prompt, chat_template=template,
+                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
+        except Exception as e:  # the template itself refuses (e.g. roles out of order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     async def parse(request: Request, model):
         """The request's body as ``model`` and its SamplingParams, every check passed."""
         body = parse_request(await read_body(request), model)
+        warn_ignored(request, body)
         check_model(body.model)
         check_stops(body)
+        apply_defaults(body, defaults)
         return body, to_sampling_params(body)
 
+    def warn_ignored(request: Request, body) -> None:
+        ignored = ignored_fields(body)
+        if ignored:
+            logger.warning("%s %s: ignoring the unknown field(s) %s", request.method, request.url.path,
+                           ", ".join(ignored[:20]) + (" ..." if len(ignored) > 20 else ""))
+
+    def start(generate_args: list[tuple], params, request_id: str, request: Request) -> list:
+        """Hand a request's prompts to the engine (after every check), each under an id of its own."""
+        request.state.request_id = request_id  # what the X-Request-Id header says, unless the client named it
+        arrival = time.perf_counter()
+        ids = [request_id] if len(generate_args) == 1 else [f"{request_id}-{i}" for i in range(len(generate_args))]
+        return [metrics.observe(engine.generate(prompt_ids, params, rid, text), arrival)
+                for rid, (prompt_ids, text) in zip(ids, generate_args)]
+
     async def respond(outputs, request: Request, head: dict, choice):
-        """A non-streaming answer: the request run to its end."""
-        output = await final_output(outputs, request)
-        if output is None:
+        """A non-streaming answer: every prompt run to its end."""
+        finals = await final_outputs(outputs, request)
+        if finals is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        return {**head, "choices": [choice(output)], "usage": usage(output)}
+        return {**head, "choices": [choice(i, o) for i, o in enumerate(finals)], "usage": usage(*finals)}
 
     # -- endpoints ---------------------------------------------------------------------
 
+    # /health and /metrics answer without the key, as vLLM's do (its key guards only /v1):
+    # a load balancer's probe and a Prometheus scraper hold no secrets, and neither route
+    # does work for a client. Everything else, the tokenizer routes included, wants the key:
+    # tokenizing is work done on the caller's behalf (vLLM leaves /tokenize open).
     @app.get("/health")
     async def health():
         engine.check_health()
@@ -233,26 +301,82 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     app.head("/health", include_in_schema=False)(health)  # probes that only want the status
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_page():
+        text, content_type = metrics.render()
+        return Response(text, media_type=content_type)
+
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @keyed.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @keyed.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse_request(await read_body(request), TokenizeRequest)
+        warn_ignored(request, body)
+        check_model(body.model)
+        if body.messages is not None:
+            ids, _ = await encode_messages(body)
+        else:
+            ids = await encode(body.prompt, body.add_special_tokens)
+        strs = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @keyed.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_request(await read_body(request), DetokenizeRequest)
+        warn_ignored(request, body)
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        # As long as the longest sequence this server can hold: what one request can cost.
+        if len(body.tokens) > max_model_len:
+            raise APIError(400, f"tokens: at most {max_model_len} (max_model_len), got {len(body.tokens)}",
+                           param="tokens")
+        if not all(0 <= t < len(tokenizer) for t in body.tokens):
+            raise APIError(400, f"tokens: each must be in [0, {len(tokenizer)})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    app.include_router(keyed)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": now(), "owned_by": "minivllm",
+                "max_model_len": max_model_len}
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "minivllm", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")  # :path: a served name may hold a slash (Qwen/Qwen3-0.6B)
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
 
     @v1.post("/completions")
     async def completions(request: Request):
         body, params = await parse(request, CompletionRequest)
-        ids, text = (await encode(body.prompt), body.prompt) if isinstance(body.prompt, str) else (body.prompt, None)
-        check_prompt(ids, params, "prompt")
+        prompts = body.prompts()
+        if len(prompts) > config.max_prompts:
+            raise APIError(400, f"prompt: at most {config.max_prompts} prompts per request (got {len(prompts)}; "
+                                f"see --max-prompts)", param="prompt")
+        if tokenizer is not None:  # refused by their length before any is tokenized
+            check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        batch = []
+        for i, prompt in enumerate(prompts):
+            ids, text = (await encode(prompt), prompt) if isinstance(prompt, str) else (prompt, None)
+            check_prompt(ids, params, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}")
+            batch.append((ids, text))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = engine.generate(ids, params, request_id, text)
+        outputs = start(batch, params, request_id, request)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model_name}
         k = params.logprobs
 
-        def choice(output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0) -> dict:
+        def choice(index: int, output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0) -> dict:
             c = output.outputs[0]
-            return {"index": 0, "text": c.text[sent_text:],
+            return {"index": index, "text": c.text[sent_text:],
                     "logprobs": completion_logprobs(c, k, sent_tokens) if k is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -263,25 +387,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body, params = await parse(request, ChatCompletionRequest)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        check_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            # The template and the tokenizer in a worker thread, as for a text prompt.
-            ids, text = await asyncio.to_thread(encode_chat, tokenizer, messages)
-        except Exception as e:  # the template itself refuses (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        ids, text = await encode_messages(body)
         check_prompt(ids, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = engine.generate(ids, params, request_id, text)
+        outputs = start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model_name}
         k = params.logprobs
 
-        def choice(output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0, stream: bool = False) -> dict:
+        def choice(index: int, output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0,
+                   stream: bool = False) -> dict:
             c = output.outputs[0]
             message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
-            return {"index": 0, "delta" if stream else "message": message,
+            return {"index": index, "delta" if stream else "message": message,
                     "logprobs": chat_logprobs(c, k, sent_tokens) if k is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -305,10 +422,46 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @docs.get("/docs")
     async def docs_page():
         return HTMLResponse(docs_html(app.openapi(), {"/v1/completions": CompletionRequest,
-                                                      "/v1/chat/completions": ChatCompletionRequest}))
+                                                      "/v1/chat/completions": ChatCompletionRequest,
+                                                      "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}))
 
     app.include_router(docs)
     return app
+
+
+# The longest X-Request-Id a client may send: an id for logs, not a place to store data.
+MAX_REQUEST_ID_CHARS = 128
+
+
+class RequestIdHeader:
+    """ASGI middleware: every response carries ``X-Request-Id``, the client's own if it sent
+    one (visible ASCII, at most MAX_REQUEST_ID_CHARS: it is echoed into our logs and
+    headers), else the id the route gave the request (``cmpl-...``), else a fresh one. The
+    client's id names the response only: the engine's request ids stay ours, so that two
+    clients who send the same one cannot collide."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"x-request-id")
+        if sent is not None and not (0 < len(sent) <= MAX_REQUEST_ID_CHARS and all(33 <= c < 127 for c in sent)):
+            error = APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII "
+                                  f"characters", code="invalid_request_id")
+            await JSONResponse(error.body(), status_code=400)(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                rid = sent or str(state.get("request_id") or uuid.uuid4().hex).encode()
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
 
 
 class HostCheck:
@@ -354,19 +507,55 @@ def docs_html(spec: dict, bodies: dict) -> str:
     return "\n".join(parts)
 
 
-async def stream_events(outputs, head: dict, choice, stream_options, first: dict | None = None):
-    """The SSE events of one streaming request: a chunk per output (the text and tokens
-    new since the last), the usage if asked for, then [DONE]. If the engine fails the
-    request, or dies, the stream says so in an error event before its [DONE]."""
-    async with aclosing(outputs):  # leaving early closes ``outputs``, which aborts the request
+async def merged(outputs: list):
+    """``(index, output)`` from several requests' outputs, as each arrives. Closing this
+    closes every one of them (which aborts those not finished); an error of one (the engine
+    failed it, or died) is raised here, and the others are closed too."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(i, one):
+        try:
+            async with aclosing(one):
+                async for output in one:
+                    queue.put_nowait((i, output))
+        except Exception as e:  # handed to the reader, who raises it
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, finished))
+
+    tasks = [asyncio.ensure_future(pump(i, one)) for i, one in enumerate(outputs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is finished:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a request still running: cancelling its wait aborts it
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_events(outputs: list, head: dict, choice, stream_options, first: dict | None = None):
+    """The SSE events of one streaming request: a chunk per output of each of its prompts
+    (the text and tokens new since that prompt's last chunk, under the prompt's index), the
+    usage if asked for, then [DONE]. If the engine fails the request, or dies, the stream
+    says so in an error event before its [DONE]."""
+    async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
             yield sse_event({**head, "choices": [first]})
-        sent_text = sent_tokens = 0
-        output = None
+        sent_text, sent_tokens = [0] * len(outputs), [0] * len(outputs)
+        last: list[RequestOutput | None] = [None] * len(outputs)
         try:
-            async for output in outputs:
-                yield sse_event({**head, "choices": [choice(output, sent_text, sent_tokens)]})
-                sent_text, sent_tokens = len(output.outputs[0].text), len(output.outputs[0].token_ids)
+            async for i, output in events:
+                yield sse_event({**head, "choices": [choice(i, output, sent_text[i], sent_tokens[i])]})
+                sent_text[i], sent_tokens[i] = len(output.outputs[0].text), len(output.outputs[0].token_ids)
+                last[i] = output
         except RequestFailedError as e:
             yield sse_event(APIError(500, f"the engine failed this request ({e}); other requests are unaffected",
                                      type="server_error").body())
@@ -376,21 +565,21 @@ async def stream_events(outputs, head: dict, choice, stream_options, first: dict
             yield sse_event(APIError(503, str(e), type="server_error").body())
             yield DONE_EVENT
             return
-        if stream_options is not None and stream_options.include_usage and output is not None:
-            yield sse_event({**head, "choices": [], "usage": usage(output)})
+        if stream_options is not None and stream_options.include_usage and all(o is not None for o in last):
+            yield sse_event({**head, "choices": [], "usage": usage(*last)})
         yield DONE_EVENT
 
 
-async def final_output(outputs, request: Request, poll_s: float = 0.5) -> RequestOutput | None:
-    """Run a non-streaming request to its end; if the client disconnects first, abort it and
-    return None."""
+async def final_outputs(outputs: list, request: Request, poll_s: float = 0.5) -> list[RequestOutput] | None:
+    """Run a non-streaming request's prompts to their end; if the client disconnects first,
+    abort them and return None."""
 
     async def last():
-        async with aclosing(outputs):
-            output = None
-            async for output in outputs:
-                pass
-            return output
+        finals: list[RequestOutput | None] = [None] * len(outputs)
+        async with aclosing(merged(outputs)) as events:
+            async for i, output in events:
+                finals[i] = output
+        return finals
 
     task = asyncio.ensure_future(last())
     while True:
@@ -398,9 +587,10 @@ async def final_output(outputs, request: Request, poll_s: float = 0.5) -> Reques
         if done:
             return task.result()
         if await request.is_disconnected():
-            task.cancel()  # cancels the wait inside generate(), whose cleanup aborts the request
+            task.cancel()  # cancels the waits inside generate(), whose cleanup aborts the requests
             await asyncio.gather(task, return_exceptions=True)
             return None
+
 
 
 # -- running it ------------------------------------------------------------------------

@@ -1,15 +1,19 @@
 """The OpenAI wire format: request bodies, their checks, and the JSON we answer with.
 
-Requests are parsed strictly: a wrong type (``"max_tokens": "ten"``), an unknown field or a
-value this server does not support (``n=2``) is a 400 naming the field, never a silent
-default. The sampling fields map onto ``SamplingParams``, which checks the ranges. The
-extensions vLLM accepts on top of OpenAI's fields (``top_k``, ``min_p``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted here too.
+Known fields are parsed strictly: a wrong type (``"max_tokens": "ten"``) or a value this
+server does not support (``n=2``, ``tools=[...]``) is a 400 naming the field, never a silent
+default. A field it does not know at all is accepted and ignored, with a warning in the log
+that names it, as vLLM does: clients send the fields of newer API versions and of other
+servers, and refusing them would break those clients for nothing. (The price: a misspelt
+field is ignored too, which is why the warning names it.) The sampling fields map onto
+``SamplingParams``, which checks the ranges. The extensions vLLM accepts on top of OpenAI's
+fields (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``chat_template_kwargs``...) are accepted here too.
 """
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
@@ -36,14 +40,21 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(Strict):
+class Lenient(Strict):
+    """A request body, or a part of one: the fields it declares are as strict as ``Strict``'s,
+    and any other field is kept aside (``model_extra``) to be named in a warning and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class SamplingFields(Strict):
+class SamplingFields(Lenient):
     """The fields both endpoints share."""
 
-    model: str
+    model: str | None = None  # None: the model this server serves
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -62,6 +73,13 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -86,7 +104,8 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]  # text, or token ids
+    # text, or token ids; or a batch of either: one choice per prompt, in order
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # how many top log-probabilities per token
     echo: bool = False
@@ -115,21 +134,62 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class TextPart(Strict):
-    type: Literal["text"]
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or the batch it lists."""
+        p = self.prompt
+        return p if p and isinstance(p, list) and not isinstance(p[0], int) else [p]
+
+
+class TextPart(Lenient):
+    type: Literal["text"]  # an image or audio part is refused by name: this server reads text only
     text: str
 
 
-class ChatMessage(Strict):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # null: an assistant turn that said nothing (a client sends back tool calls with it)
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (only an assistant's may be null)")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Lenient):
+    """How messages become a prompt (vLLM's chat extensions): shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True  # end the prompt with the assistant's opening
+    continue_final_message: bool = False  # or: carry on the last (assistant) message, unclosed
+    chat_template: str | None = None  # a Jinja template for this request (needs --trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking...)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, value, info):
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false: the prompt either "
+                             "opens a new assistant message or continues the last one")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, value):
+        taken = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set through chat_template_kwargs (the server sets them; "
+                             f"use the request's own fields where there is one)")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: until the context is full
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
@@ -144,10 +204,75 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
 
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a text or a conversation (through the chat template), to token ids."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    # False, as /v1/completions tokenizes a prompt here, so that the count is what a
+    # completion would be charged (vLLM's default is True).
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Arguments of apply_chat_template, and the variables it gives the template itself: a
+# request's chat_template_kwargs may not replace them (they would break the rendering or
+# make it return something other than the text the server expects).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
+def _neutral(*values):
+    """A check that passes only the values that ask for nothing (the field's default)."""
+    return lambda v: any(v is x or (type(v) is type(x) and v == x) for x in values)
+
+
+# Fields that OpenAI or vLLM define and this server cannot honour yet: unlike a field it has
+# never heard of, one of these changes what the client gets back, so a value other than
+# its do-nothing default is a 400 naming it rather than a silent no-op.
+NOT_SUPPORTED = {
+    "repetition_penalty": _neutral(None, 1, 1.0),
+    "bad_words": _neutral(None, []),
+    "allowed_token_ids": _neutral(None),
+    "include_stop_str_in_output": _neutral(None, False),
+    "truncate_prompt_tokens": _neutral(None),
+    "prompt_logprobs": _neutral(None),
+    "use_beam_search": _neutral(None, False),
+    "logits_processors": _neutral(None, []),
+    "tools": _neutral(None, []),
+    "tool_choice": _neutral(None, "none", "auto"),
+    "functions": _neutral(None, []),
+    "function_call": _neutral(None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _neutral(None),
+    "guided_json": _neutral(None),
+    "guided_regex": _neutral(None),
+    "guided_choice": _neutral(None),
+    "guided_grammar": _neutral(None),
+}
+
+
 def parse_request(body: bytes, model: type[Strict]) -> Strict:
-    """The body as ``model``, or an APIError(400) naming the first bad field."""
+    """The body as ``model``, or an APIError(400) naming the first bad field. Fields ``model``
+    does not know are left in the result's ``model_extra`` (see ``ignored_fields``), except
+    those in NOT_SUPPORTED, which are refused unless they ask for nothing."""
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as e:
         error = e.errors()[0]
         if error["type"] == "json_invalid":
@@ -157,7 +282,42 @@ def parse_request(body: bytes, model: type[Strict]) -> Strict:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = f"unknown field (accepted: {', '.join(sorted(model.model_fields))})"
-        raise APIError(400, f"{where}: {message}", param=loc[0] if loc else None) from None
+        if not loc:  # a check of the whole body: its message starts with the field it blames
+            blamed = message.partition(":")[0]
+            raise APIError(400, message, param=blamed if blamed in model.model_fields else None) from None
+        raise APIError(400, f"{where}: {message}", param=loc[0]) from None
+    for name, value in (parsed.model_extra or {}).items():
+        check = NOT_SUPPORTED.get(name)
+        if check is not None and not check(value):
+            raise APIError(400, f"{name}: not supported by this server (leave it out)", param=name)
+    return parsed
+
+
+def ignored_fields(body: Lenient) -> list[str]:
+    """The fields of a parsed request that nothing reads (they are logged, then ignored):
+    the body's own and those of its messages and their parts, as dotted paths."""
+    found = [name for name in body.model_extra or {} if name not in NOT_SUPPORTED]
+    parts = [("stream_options", getattr(body, "stream_options", None))]
+    for i, message in enumerate(getattr(body, "messages", None) or []):
+        parts.append((f"messages.{i}", message))
+        if isinstance(message.content, list):
+            parts += [(f"messages.{i}.content.{j}", p) for j, p in enumerate(message.content)]
+    for where, part in parts:
+        if part is not None:
+            found += [f"{where}.{name}" for name in part.model_extra or {}]
+    return found
+
+
+# The sampling fields that a checkpoint's generation_config.json may give defaults for.
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p")
+
+
+def apply_defaults(request: SamplingFields, defaults: dict) -> None:
+    """Fill the sampling fields the request left out from ``defaults`` (the model's
+    generation_config.json): what its authors tuned it for, as vLLM's server does."""
+    for name in DEFAULTABLE:
+        if name in defaults and getattr(request, name) is None:
+            setattr(request, name, defaults[name])
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
@@ -194,9 +354,13 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
 # -- responses -------------------------------------------------------------------------
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(*outputs: RequestOutput) -> dict:
+    """The usage of one request, or the sum over a batch's."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0) -> dict | None:

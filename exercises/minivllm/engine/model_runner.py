@@ -16,6 +16,7 @@ of blocks is whatever fits in ``gpu_memory_utilization`` of the card after a war
 forward pass has shown the activations' peak; on the CPU it comes from a configured size.
 """
 import gc
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ from minivllm.engine.state_pool import allocate_state_pools, state_layers, state
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,9 +101,15 @@ class ModelRunner:
         self.num_state_slots = config.max_num_seqs if self.state_layers else 0
         self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device)
         self.num_kv_blocks = self._allocate_kv_cache()
-        # A sequence can never grow past the model's positions, nor past the whole pool.
+        # A sequence can never grow past the model's positions (asking for more is an error),
+        # nor past the whole pool (a small pool shortens it, and says so).
+        config.check_max_model_len(self.model_config)
         limit = config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(limit, self.model_config.max_position_embeddings, self.num_kv_blocks * self.block_size)
+        self.max_model_len = min(limit, self.num_kv_blocks * self.block_size)
+        if self.max_model_len < limit:
+            logger.warning("max_model_len is %d, not %d: the KV pool holds only %d blocks of %d tokens (raise "
+                           "gpu_memory_utilization, cpu_kv_cache_space or num_kv_blocks for more)",
+                           self.max_model_len, limit, self.num_kv_blocks, self.block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
