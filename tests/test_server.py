@@ -284,8 +284,8 @@ BAD = [
     ("stream not a bool", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     # A field this server knows of and cannot honour (unlike one it has never heard of: see
     # test_unknown_fields_are_ignored_with_a_warning).
-    ("known, not supported", "/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400,
-     "repetition_penalty"),
+    ("known, not supported", "/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2}, 400,
+     "prompt_logprobs"),
     ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("stream_options without stream", "/v1/completions",
@@ -307,10 +307,15 @@ BAD = [
     ("a reserved template kwarg", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
      400, "chat_template_kwargs"),
-    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
-    ("penalty", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400,
+    ("n zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("n past max_num_seqs", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 65}, 400, "n"),
+    ("penalty out of range", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3.0}, 400,
      "presence_penalty"),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}},
+     400, "logit_bias"),
+    ("logit_bias id past the vocabulary", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("no such route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, None),
 ]
 

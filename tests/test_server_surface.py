@@ -335,3 +335,45 @@ def test_a_metaspace_completion_keeps_its_leading_space():
     text = "".join(detokenizer.step(completion[:i + 1]) for i in range(len(completion)))
     assert text == " world how are you today"
     assert tokenizer.decode(prompt) + text == tokenizer.decode(ids)
+
+
+# -- n completions and the sampling extensions, served ------------------------------------
+
+
+def test_n_completions_through_the_openai_client(server, offline, client):
+    """n choices per prompt, in OpenAI's order (prompt by prompt), each what the offline
+    engine gives for that completion, plain and streamed; usage counts every completion."""
+    prompts = ["The quick brown fox", "It was the best of"]
+    fields = dict(temperature=1.0, seed=5, max_tokens=8, extra_body={"ignore_eos": True})
+    got = client.completions.create(model=MODEL, prompt=prompts, n=3, **fields)
+    with torch_threads(1):
+        want = offline.generate(prompts, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [c.text for o in want for c in o.outputs]
+    assert got.usage.completion_tokens == 6 * 8
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=3, stream=True, **fields):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == [c.text for c in got.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], n=2,
+                                          temperature=0, max_tokens=6)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same twice
+
+
+def test_penalties_and_logit_bias_reach_the_engine(server, offline, client):
+    body = dict(temperature=0, max_tokens=10, extra_body={"ignore_eos": True, "repetition_penalty": 1.3,
+                                                          "bad_words": ["the"]},
+                presence_penalty=0.5, frequency_penalty=0.2)
+    got = client.completions.create(model=MODEL, prompt="The quick brown fox", **body)
+    with torch_threads(1):
+        [want] = offline.generate(["The quick brown fox"], SamplingParams(
+            temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3, bad_words=["the"],
+            presence_penalty=0.5, frequency_penalty=0.2), use_tqdm=False)
+    assert got.choices[0].text == want.outputs[0].text
+    # A bias of +100 on one token makes greedy decoding pick it every time.
+    biased = client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=4,
+                                       logit_bias={"42": 100}, logprobs=0)
+    assert set(biased.choices[0].logprobs.tokens) == {offline.get_tokenizer().decode([42])}

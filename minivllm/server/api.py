@@ -41,13 +41,13 @@ from starlette.exceptions import HTTPException
 
 from minivllm import __version__
 from minivllm.config import generation_defaults
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import InvalidParameter
 from minivllm.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, apply_defaults, chat_logprobs, completion_logprobs,
-                                      ignored_fields, now, parse_request, to_sampling_params, usage)
+                                      ignored_fields, now, parse_request, to_sampling_params, usage, with_extensions)
 from minivllm.tokenizer import encode_chat, max_token_chars
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     api_key = api_key if api_key is not None else config.api_key
     tokenizer = engine.tokenizer
     max_model_len = engine.engine.max_model_len
+    vocab_size = engine.engine.runner.model_config.vocab_size
     engine_config = engine.engine.config
     # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
     defaults = generation_defaults(engine_config.model, engine_config.generation_config)
@@ -206,6 +207,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         if len(ids) > config.max_stop_token_ids:
             raise APIError(400, f"stop_token_ids: at most {config.max_stop_token_ids} ids (got {len(ids)})",
                            param="stop_token_ids")
+        # The other per-token lists cost the sampler their length at every step: bounded too.
+        bad_words = body.bad_words or []
+        if len(bad_words) > config.max_stop or any(len(w) > config.max_stop_chars for w in bad_words):
+            raise APIError(400, f"bad_words: at most {config.max_stop} words of at most {config.max_stop_chars} "
+                                "characters", param="bad_words")
+        if body.logit_bias and len(body.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens (got {len(body.logit_bias)})",
+                           param="logit_bias")
+        if body.allowed_token_ids and len(body.allowed_token_ids) > vocab_size:
+            raise APIError(400, f"allowed_token_ids: at most the vocabulary's {vocab_size} ids", param="allowed_token_ids")
 
     def check_chars(num_chars: int, param: str) -> None:
         if num_chars > max_prompt_chars:
@@ -265,7 +276,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         check_model(body.model)
         check_stops(body)
         apply_defaults(body, defaults)
-        return body, to_sampling_params(body)
+        return body, with_extensions(to_sampling_params(body), body)
 
     def warn_ignored(request: Request, body) -> None:
         ignored = ignored_fields(body)
@@ -281,12 +292,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         return [metrics.observe(engine.generate(prompt_ids, params, rid, text), arrival)
                 for rid, (prompt_ids, text) in zip(ids, generate_args)]
 
-    async def respond(outputs, request: Request, head: dict, choice):
-        """A non-streaming answer: every prompt run to its end."""
+    async def respond(outputs, request: Request, head: dict, choice, n: int):
+        """A non-streaming answer: every prompt run to its end. Choices in OpenAI's order:
+        prompt by prompt, its n completions in turn (index = prompt * n + completion)."""
         finals = await final_outputs(outputs, request)
         if finals is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        return {**head, "choices": [choice(i, o) for i, o in enumerate(finals)], "usage": usage(*finals)}
+        choices = [choice(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
+        return {**head, "choices": choices, "usage": usage(*finals)}
 
     # -- endpoints ---------------------------------------------------------------------
 
@@ -374,15 +387,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model_name}
         k = params.logprobs
 
-        def choice(index: int, output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0) -> dict:
-            c = output.outputs[0]
+        def choice(index: int, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0) -> dict:
             return {"index": index, "text": c.text[sent_text:],
                     "logprobs": completion_logprobs(c, k, sent_tokens) if k is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
         if body.stream:
-            return EventStream(stream_events(outputs, head, choice, body.stream_options))
-        return await respond(outputs, request, head, choice)
+            return EventStream(stream_events(outputs, head, choice, body.stream_options, n=params.n))
+        return await respond(outputs, request, head, choice, params.n)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -394,9 +406,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model_name}
         k = params.logprobs
 
-        def choice(index: int, output: RequestOutput, sent_text: int = 0, sent_tokens: int = 0,
+        def choice(index: int, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
                    stream: bool = False) -> dict:
-            c = output.outputs[0]
             message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
             return {"index": index, "delta" if stream else "message": message,
                     "logprobs": chat_logprobs(c, k, sent_tokens) if k is not None else None,
@@ -404,10 +415,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                     for j in range(params.n)]
             return EventStream(stream_events(outputs, head, lambda *a: choice(*a, stream=True), body.stream_options,
-                                             first=first))
-        return await respond(outputs, request, head, choice)
+                                             first=first, n=params.n))
+        return await respond(outputs, request, head, choice, params.n)
 
     app.include_router(v1)
 
@@ -429,6 +441,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     return app
 
 
+# As OpenAI's API allows: a bias is for a few tokens, not a second vocabulary.
+MAX_LOGIT_BIAS = 300
 # The longest X-Request-Id a client may send: an id for logs, not a place to store data.
 MAX_REQUEST_ID_CHARS = 128
 
@@ -541,20 +555,30 @@ async def merged(outputs: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def stream_events(outputs: list, head: dict, choice, stream_options, first: dict | None = None):
-    """The SSE events of one streaming request: a chunk per output of each of its prompts
-    (the text and tokens new since that prompt's last chunk, under the prompt's index), the
-    usage if asked for, then [DONE]. If the engine fails the request, or dies, the stream
-    says so in an error event before its [DONE]."""
+async def stream_events(outputs: list, head: dict, choice, stream_options, first: list | None = None, n: int = 1):
+    """The SSE events of one streaming request: a chunk per output of each of its prompts,
+    with a choice for each completion that moved (the text and tokens new since its last
+    chunk, under index prompt * n + completion), the usage if asked for, then [DONE]. If the
+    engine fails the request, or dies, the stream says so in an error event before its [DONE]."""
     async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
-            yield sse_event({**head, "choices": [first]})
-        sent_text, sent_tokens = [0] * len(outputs), [0] * len(outputs)
+            yield sse_event({**head, "choices": first})
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        ended: set[int] = set()  # choices whose finish_reason has been sent
         last: list[RequestOutput | None] = [None] * len(outputs)
         try:
             async for i, output in events:
-                yield sse_event({**head, "choices": [choice(i, output, sent_text[i], sent_tokens[i])]})
-                sent_text[i], sent_tokens[i] = len(output.outputs[0].text), len(output.outputs[0].token_ids)
+                choices = []
+                for c in output.outputs:  # with n > 1, only the completions that moved
+                    index = i * n + c.index
+                    text_sent, tokens_sent = sent.get(index, (0, 0))
+                    if len(c.token_ids) > tokens_sent or (c.finish_reason is not None and index not in ended):
+                        choices.append(choice(index, c, text_sent, tokens_sent))
+                        sent[index] = (len(c.text), len(c.token_ids))
+                        if c.finish_reason is not None:
+                            ended.add(index)
+                if choices:
+                    yield sse_event({**head, "choices": choices})
                 last[i] = output
         except RequestFailedError as e:
             yield sse_event(APIError(500, f"the engine failed this request ({e}); other requests are unaffected",

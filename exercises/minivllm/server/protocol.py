@@ -15,6 +15,7 @@ field is ignored too, which is why the warning names it.) The sampling fields ma
 fields (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``chat_template_kwargs``...) are accepted here too.
 """
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -86,25 +87,19 @@ class SamplingFields(Lenient):
             raise ValueError("stream_options is only allowed with stream=true")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n):
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns one choice per request")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value, info):
-        if value not in (None, 0):
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return value
+    # vLLM's sampling extensions beyond OpenAI's (SamplingParams checks their ranges)
+    repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value):
+        """JSON object keys are strings: they must spell token ids."""
+        if value is not None and not all(k.isdigit() for k in value):
+            raise ValueError("keys must be token ids written as decimal strings (\"50256\")")
         return value
 
 
@@ -251,11 +246,6 @@ def _neutral(*values):
 # never heard of, one of these changes what the client gets back, so a value other than
 # its do-nothing default is a 400 naming it rather than a silent no-op.
 NOT_SUPPORTED = {
-    "repetition_penalty": _neutral(None, 1, 1.0),
-    "bad_words": _neutral(None, []),
-    "allowed_token_ids": _neutral(None),
-    "include_stop_str_in_output": _neutral(None, False),
-    "truncate_prompt_tokens": _neutral(None),
     "prompt_logprobs": _neutral(None),
     "use_beam_search": _neutral(None, False),
     "logits_processors": _neutral(None, []),
@@ -325,6 +315,24 @@ def apply_defaults(request: SamplingFields, defaults: dict) -> None:
             setattr(request, name, defaults[name])
 
 
+def with_extensions(params: SamplingParams, request: SamplingFields) -> SamplingParams:
+    """``params`` (the fields to_sampling_params maps) with the rest of the request's sampling
+    fields: n, the penalties, logit_bias and vLLM's extensions, checked by SamplingParams."""
+    extra = {"n": request.n, "presence_penalty": request.presence_penalty or 0.0,
+             "frequency_penalty": request.frequency_penalty or 0.0,
+             "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
+             "logit_bias": {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
+             "bad_words": request.bad_words, "allowed_token_ids": request.allowed_token_ids,
+             "include_stop_str_in_output": request.include_stop_str_in_output,
+             "truncate_prompt_tokens": request.truncate_prompt_tokens}
+    if all(getattr(params, k) == v for k, v in extra.items()):
+        return params
+    try:
+        return dataclasses.replace(params, **extra)
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """Map the request's sampling fields onto SamplingParams (which checks the ranges)."""
     if isinstance(request, ChatCompletionRequest):
@@ -350,9 +358,9 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
 
 
 def usage(*outputs: RequestOutput) -> dict:
-    """The usage of one request, or the sum over a batch's."""
+    """The usage of one request, or the sum over a batch's (every completion counted)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
