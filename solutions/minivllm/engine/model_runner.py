@@ -105,7 +105,9 @@ class ModelRunner:
         config.check_max_model_len(self.model_config)
         limit = config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.num_kv_blocks * self.block_size)
-        if self.max_model_len < limit:
+        # A warning only when the caller asked for that length; the model's own limit being
+        # cut by a small pool (a CPU, a test) is the usual case, not news.
+        if self.max_model_len < limit and config.max_model_len is not None:
             logger.warning("max_model_len is %d, not %d: the KV pool holds only %d blocks of %d tokens (raise "
                            "gpu_memory_utilization, cpu_kv_cache_space or num_kv_blocks for more)",
                            self.max_model_len, limit, self.num_kv_blocks, self.block_size)
