@@ -377,3 +377,36 @@ def test_penalties_and_logit_bias_reach_the_engine(server, offline, client):
     biased = client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=4,
                                        logit_bias={"42": 100}, logprobs=0)
     assert set(biased.choices[0].logprobs.tokens) == {offline.get_tokenizer().decode([42])}
+
+
+def test_responses_are_valid_openai_types(server):
+    """Every response shape, raw off the wire, validates as the openai package's own types
+    (strictly: pydantic's validation of the required fields and their types)."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.completion import Completion as CompletionChunk  # streamed completions share the type
+
+    def post(path, body):
+        r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    def events(path, body):
+        with httpx.stream("POST", server.url + path, json={"model": MODEL, "stream": True, **body}, headers=AUTH,
+                          timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    completion = {"prompt": ["The quick brown fox", "It was"], "n": 2, "max_tokens": 5, "logprobs": 2,
+                  "temperature": 0.7, "seed": 1}
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "n": 2, "max_tokens": 5, "logprobs": True,
+            "top_logprobs": 2, "temperature": 0.7, "seed": 1}
+    parsed = Completion.model_validate(post("/v1/completions", completion).json())
+    assert len(parsed.choices) == 4 and parsed.usage.completion_tokens == 20
+    ChatCompletion.model_validate(post("/v1/chat/completions", chat).json())
+    chunks = events("/v1/completions", {**completion, "stream_options": {"include_usage": True}})
+    # (The package's Completion type has no null finish_reason, which OpenAI's own streams
+    # send mid-stream too: only the chunks that end choices, and the usage chunk, validate.)
+    final = [c for c in chunks if all(choice["finish_reason"] for choice in c["choices"])]
+    assert len(final) >= 2 and all(CompletionChunk.model_validate(c) for c in final)
+    chat_chunks = events("/v1/chat/completions", chat)
+    assert chat_chunks and all(ChatCompletionChunk.model_validate(c) for c in chat_chunks)
