@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
     bench.add_argument("--num-requests", type=int, default=None, help="serving: requests per rate")
+    bench.add_argument("--base-url", default=None,
+                       help="serving: measure this running OpenAI-compatible server instead of starting one")
+    bench.add_argument("--api-key", default=None, help="serving with --base-url: the server's key")
+    bench.add_argument("--vocab", type=int, default=1000,
+                       help="serving with --base-url: prompts are token ids below this (default 1000)")
     return parser
 
 
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                 options["rates"] = [float(r) for r in args.rates.split(",")]
             if args.num_requests:
                 options["num_requests"] = args.num_requests
+            if args.base_url:
+                options.update(base_url=args.base_url, api_key=args.api_key, vocab=args.vocab)
             report = run(args.out, **options)
         elif args.which == "tp":
             from minivllm.bench.tensor_parallel import main as run

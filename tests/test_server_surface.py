@@ -410,3 +410,25 @@ def test_responses_are_valid_openai_types(server):
     assert len(final) >= 2 and all(CompletionChunk.model_validate(c) for c in final)
     chat_chunks = events("/v1/chat/completions", chat)
     assert chat_chunks and all(ChatCompletionChunk.model_validate(c) for c in chat_chunks)
+
+
+def test_bench_serving_measures_a_running_server(server, tmp_path):
+    """``minivllm bench serving --base-url``: the benchmark against a server it did not start."""
+    from minivllm.cli import main
+
+    main(["bench", "serving", "--base-url", server.url, "--api-key", KEY, "--vocab", "512", "--rates", "inf",
+          "--num-requests", "6", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "serving_external.json").read_text())
+    [run] = report["online"]
+    assert report["model"] == MODEL and run["num_errors"] == 0 and run["requests"] == 6
+    assert run["output_tokens_per_s"] > 0 and run["ttft_s"]["p50"] is not None
+
+
+def test_percentiles_are_numpys():
+    import numpy as np
+
+    from minivllm.bench.serving import percentiles
+
+    values = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.05]
+    got = percentiles(values, ps=(0, 50, 90, 99, 100))
+    assert list(got.values()) == pytest.approx(list(np.percentile(values, [0, 50, 90, 99, 100])))

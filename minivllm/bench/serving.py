@@ -93,13 +93,15 @@ async def send_one(client, url: str, model: str, prompt: list[int], max_tokens: 
 
 
 async def run_load(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rate: float,
-                   seed: int = 0, temperature: float = 0.0) -> tuple[list[RequestResult], float]:
+                   seed: int = 0, temperature: float = 0.0, api_key: str | None = None
+                   ) -> tuple[list[RequestResult], float]:
     """Send the requests at ``rate`` per second; return their results and the run's seconds."""
     import httpx
 
     times = arrival_times(len(prompts), rate, seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
         start = time.perf_counter()
 
         async def later(i: int) -> RequestResult:
@@ -112,11 +114,18 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], output_l
 
 
 def percentiles(values: list[float], ps=(50, 90, 99)) -> dict:
+    """As numpy's default (and so vLLM's benchmark) computes them: linear interpolation
+    between the two nearest ranks, so the numbers compare with published ones."""
     if not values:
         return {f"p{p}": None for p in ps}
     ordered = sorted(values)
-    # Nearest rank: the smallest value with at least p% of the values at or below it.
-    return {f"p{p}": ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] for p in ps}
+    out = {}
+    for p in ps:
+        at = p / 100 * (len(ordered) - 1)
+        low = math.floor(at)
+        high = min(low + 1, len(ordered) - 1)
+        out[f"p{p}"] = ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+    return out
 
 
 def summarize(results: list[RequestResult], seconds: float, rate: float) -> dict:
@@ -165,8 +174,54 @@ def run_offline(model: Path, prompts, output_lens, llm_args: dict) -> dict:
             "request_throughput": len(prompts) / seconds}
 
 
+def describe_server(base_url: str, api_key: str | None) -> tuple[str, int]:
+    """The model a running OpenAI-compatible server serves, and its context length (when it
+    says; else 4096), from its /v1/models."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    served = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).raise_for_status().json()
+    first = served["data"][0]
+    return first["id"], int(first.get("max_model_len") or 4096)
+
+
+def run_against(base_url: str, api_key: str | None, out_dir: str, rates: list[float] | None,
+                num_requests: int | None, seed: int, vocab: int) -> dict:
+    """The serving benchmark against any running server (``--base-url``): the same
+    arrivals and request shapes, token-id prompts drawn below ``vocab``."""
+    from minivllm.bench.throughput import make_workload
+
+    name, max_model_len = describe_server(base_url, api_key)
+    rates = rates or [1, 2, 4, math.inf]
+    num_requests = num_requests or 64
+    prompt_len = (min(100, max_model_len // 4), min(1024, max_model_len // 2))
+    output_len = (min(32, max_model_len // 8), min(256, max_model_len // 4))
+    prompts, lens = make_workload(num_requests, *prompt_len, vocab=vocab, seed=seed)
+    rng = random.Random(seed + 1)
+    output_lens = [rng.randint(*output_len) for _ in lens]
+    url = base_url.rstrip("/")
+    asyncio.run(run_load(url, name, [p[::-1] for p in prompts[:8]], [4] * 8, math.inf, seed, api_key=api_key))
+    runs = []
+    for rate in rates:
+        results, seconds = asyncio.run(run_load(url, name, prompts, output_lens, rate, seed, api_key=api_key))
+        runs.append(summarize(results, seconds, rate))
+        print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
+              f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors", flush=True)
+    report = {"server": base_url, "model": name,
+              "workload": {"requests_per_rate": num_requests, "prompt_len": list(prompt_len),
+                           "output_len": list(output_len), "temperature": 0, "ignore_eos": True,
+                           "arrivals": "Poisson", "seed": seed, "total_output_tokens": sum(output_lens)},
+              "online": runs}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "serving_external.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[float] | None = None,
-         num_requests: int | None = None, seed: int = 0) -> dict:
+         num_requests: int | None = None, seed: int = 0, base_url: str | None = None,
+         api_key: str | None = None, vocab: int = 1000) -> dict:
+    if base_url is not None:
+        return run_against(base_url, api_key, out_dir, rates, num_requests, seed, vocab)
     from minivllm.bench.throughput import make_workload, model_checkpoint
     from minivllm.config import ModelConfig
     from minivllm.llm import BUNDLED_MODEL, resolve_model
