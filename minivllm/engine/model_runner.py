@@ -61,18 +61,50 @@ class StepInputs:
                 "block_tables": num_seqs * block_table_width, "pending_dst": num_pending, "pending_src": num_pending,
                 "copy_src": num_copies, "copy_dst": num_copies}
 
+    @staticmethod
+    def offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+        """Where each field starts in the flat array, and the array's length. Every field
+        starts on a FIELD_ALIGN boundary: Triton compiles a kernel again for a pointer whose
+        16-byte alignment changed, so a field whose offset moved with the step's sizes would
+        cost a compile in the middle of a run."""
+        starts, end = {}, 0
+        for name, n in sizes.items():
+            starts[name] = end
+            end += -(-n // FIELD_ALIGN) * FIELD_ALIGN
+        return starts, end
+
+    @classmethod
+    def pack(cls, fields: dict[str, list[int]], block_tables: list[list[int]], is_prefill: bool, max_seqlen_q: int,
+             **extra) -> "StepInputs":
+        """A step from its fields as lists (every field of ``sizes`` but block_tables, which
+        is a row per sequence, padded with -1 to the widest)."""
+        num_seqs, width = len(block_tables), max(map(len, block_tables))
+        sizes = cls.sizes(len(fields["input_ids"]), num_seqs, width, len(fields["logits_indices"]),
+                          len(fields["pending_dst"]), len(fields["copy_src"]))
+        host = np.full(cls.offsets(sizes)[1], -1, dtype=np.int64)
+        step = cls(host, sizes["input_ids"], num_seqs, width, sizes["logits_indices"], is_prefill, max_seqlen_q,
+                   max(fields["context_lens"]), sizes["pending_dst"], sizes["copy_src"], **extra)
+        views = step.fields(host)
+        for name, values in fields.items():
+            views[name][:] = values
+        for row, table in zip(views["block_tables"], block_tables):
+            row[: len(table)] = table  # the rest stays -1: padding
+        return step
+
     def fields(self, flat):
         """``flat`` (this step's host array, or its copy on the device) cut into named views."""
-        views, start = {}, 0
         sizes = self.sizes(self.num_tokens, self.num_seqs, self.block_table_width, self.num_logits, self.num_pending,
                            self.num_copies)
-        for name, n in sizes.items():
-            views[name] = flat[start : start + n]
-            start += n
+        starts, _ = self.offsets(sizes)
+        views = {name: flat[starts[name] : starts[name] + n] for name, n in sizes.items()}
         views["block_tables"] = views["block_tables"].reshape(self.num_seqs, self.block_table_width)
         return views
 
 
+# Each field of a step's flat array starts at a multiple of this many int64s (128 bytes).
+FIELD_ALIGN = 16
+# The sizes of the eager steps that compile_kernels runs at start-up, in tokens.
+COMPILE_STEP_TOKENS = (4, 256, 2048)
 WARMUP_MAX_SEQ_LEN = 1024
 
 
@@ -110,6 +142,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
+        if self.device.type == "cuda":
+            self.compile_kernels()
 
     # -- the KV pool -------------------------------------------------------------------
 
@@ -177,6 +211,52 @@ class ModelRunner:
         finally:
             reset_context()
 
+    @torch.inference_mode()
+    def compile_kernels(self) -> None:
+        """Run each kind of eager step once, so that Triton compiles its kernels here and not
+        inside the user's first run: mixed steps (a prompt from scratch, a chunk after a
+        cached prefix, a decode row) of a few, a few hundred and a few thousand tokens (the
+        matrix-vector path, the GEMM path, the MoE kernel's tile sizes), and without CUDA
+        graphs a decode step. The kernels do not specialise on what varies from step to step
+        (``do_not_specialize``, aligned fields), so these steps reach every variant a run
+        can. They write into the first KV blocks and state slots, which hold nothing yet."""
+        bs, limit = self.block_size, min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_seqs = min(3, self.config.max_num_seqs)
+        shapes = [[(max(1, min(n, limit) - num_seqs + 1), 0), (1, bs + 1), (1, 2)][:num_seqs]
+                  for n in COMPILE_STEP_TOKENS]
+        if not self.graphs:
+            shapes.append([(1, bs + 1), (1, 2)][: num_seqs])
+        for shape in shapes:
+            fields = {name: [] for name in StepInputs.sizes(0, 0, 0, 0) if name != "block_tables"}
+            fields["cu_seqlens_q"], tables, next_block = [0], [], 0
+            for new, cached in shape:
+                blocks = -(-(cached + new) // bs)
+                if next_block + blocks > self.num_kv_blocks:
+                    break  # a pool too small for this shape: a smaller one covers the kernels
+                table = list(range(next_block, next_block + blocks))
+                next_block += blocks
+                positions = range(cached, cached + new)
+                fields["input_ids"] += [0] * new
+                fields["positions"] += positions
+                fields["slot_mapping"] += [table[p // bs] * bs + p % bs for p in positions]
+                fields["context_lens"].append(cached + new)
+                fields["cu_seqlens_q"].append(fields["cu_seqlens_q"][-1] + new)
+                tables.append(table)
+            if not tables:
+                continue
+            fields["logits_indices"] = [end - 1 for end in fields["cu_seqlens_q"][1:]]
+            step = StepInputs.pack(fields, tables, is_prefill=any(n > 1 for n, _ in shape[: len(tables)]),
+                                   max_seqlen_q=max(n for n, _ in shape[: len(tables)]),
+                                   logits_of_every_sequence=True)
+            # ModelRunner's own upload, not a tensor-parallel rank 0's (which would also send
+            # the step to the workers): every rank runs these same steps in its own start-up.
+            input_ids, positions = ModelRunner.upload(self, step)
+            if self.state_layers:  # slots 0.., starting from zeros
+                self._set_state_slots(np.array([range(len(tables)), [0] * len(tables)], dtype=np.int64))
+            self.execute(input_ids, positions)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # -- one step ----------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, rows_to_sample: list[int] | None = None,
@@ -205,28 +285,28 @@ class ModelRunner:
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
         rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
-        num_tokens, num_seqs, num_logits = len(input_ids), len(batch.seqs), len(rows)
-        width = max(len(seq.block_table) for seq in batch.seqs)
+        copies = batch.block_copies
         # Everything goes to the device in one copy: one int64 array, cut into named views.
-        num_pending, copies = len(pending_dst), batch.block_copies
-        sizes = StepInputs.sizes(num_tokens, num_seqs, width, num_logits, num_pending, len(copies))
-        host = np.full(sum(sizes.values()), -1, dtype=np.int64)
-        step = StepInputs(host, num_tokens, num_seqs, width, num_logits, any(n > 1 for n in batch.num_new_tokens),
-                          max(batch.num_new_tokens), max(context_lens), num_pending, len(copies),
-                          logits_of_every_sequence=list(rows) == list(range(num_seqs)))
-        f = step.fields(host)
-        f["pending_dst"][:], f["pending_src"][:] = pending_dst, pending_src
-        f["copy_src"][:], f["copy_dst"][:] = [c[0] for c in copies], [c[1] for c in copies]
-        f["input_ids"][:], f["positions"][:], f["slot_mapping"][:] = input_ids, positions, slots
-        f["context_lens"][:], f["cu_seqlens_q"][:] = context_lens, cu
-        f["logits_indices"][:] = [cu[i + 1] - 1 for i in rows]  # each sampled sequence's last token
-        for row, seq in zip(f["block_tables"], batch.seqs):
-            row[: len(seq.block_table)] = seq.block_table  # the rest stays -1: padding
-        input_ids, positions = self.upload(step, previous[0] if num_pending else None)
+        step = StepInputs.pack(
+            {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
+             "cu_seqlens_q": cu, "logits_indices": [cu[i + 1] - 1 for i in rows],  # each sampled sequence's last token
+             "pending_dst": pending_dst, "pending_src": pending_src,
+             "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies]},
+            [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
+            max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))))
+        input_ids, positions = self.upload(step, previous[0] if pending_dst else None)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
-            ctx = get_context()
-            ctx.state_slots, ctx.has_initial_state = self._to_device(state_metadata(batch.seqs))
+            self._set_state_slots(state_metadata(batch.seqs))
         return input_ids, positions
+
+    def _set_state_slots(self, metadata: np.ndarray) -> None:
+        """The Context's state slots and has_initial_state, from state_metadata's rows. The
+        second row starts on a FIELD_ALIGN boundary (see StepInputs.offsets)."""
+        n = metadata.shape[1]
+        padded = np.zeros((2, -(-n // FIELD_ALIGN) * FIELD_ALIGN), dtype=np.int64)
+        padded[:, :n] = metadata
+        ctx = get_context()
+        ctx.state_slots, ctx.has_initial_state = self._to_device(padded)[:, :n]
 
     def upload(self, step: StepInputs, previous_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a flattened step to the device and set its Context; return input ids and

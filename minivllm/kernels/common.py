@@ -5,6 +5,11 @@ import torch
 # kernels.gated_delta, and the torch reference (ops.gated_delta) chunks the same way.
 CHUNK_SIZE = 64
 
+# Integer arguments that change from step to step (a row count, a block table's width, a
+# number of splits) are ``do_not_specialize`` in their kernels: Triton would otherwise
+# compile a variant for each value's divisibility by 16 (and for the value 1), in the middle
+# of a user's run. Pointer arguments stay aligned instead (model_runner.FIELD_ALIGN).
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of every ``tl.dot``: float32 inputs get true float32 products (the

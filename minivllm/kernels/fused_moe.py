@@ -20,7 +20,7 @@ import triton.language as tl
 from minivllm.kernels.common import dot_precision
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(
     a_ptr,  # [T, K] token rows (A_ROW_IS_TOKEN) or [T * top_k, K] assignment rows
     w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows)

@@ -177,7 +177,7 @@ def recurrent_gated_delta_step(
 # -- prefill ----------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MAX_CHUNKS"])
 def _chunk_prepare_kernel(
     k_ptr,  # [T, Hk, dk] (raw)
     v_ptr,  # [T, Hv, dv]

@@ -22,7 +22,7 @@ from minivllm.kernels.common import dot_precision
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr,  # [M, K], M <= MAX_ROWS
     w_ptr,  # [N, K]

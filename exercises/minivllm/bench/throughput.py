@@ -28,11 +28,22 @@ from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings
 from minivllm.testing import make_tiny_checkpoint
 
 
-def make_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024, vocab: int = 151936, seed: int = 0):
+def make_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024, max_token_id: int = 10000,
+                  seed: int = 0):
+    """nano-vllm's bench.py workload, draw for draw: Python's random seeded with ``seed``, then
+    each prompt's length and ids (``randint(0, 10000)``), then each request's max_tokens. With
+    the defaults: 142,827 prompt tokens and 133,966 output tokens."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
     output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
     return prompts, output_lens
+
+
+def fresh_prompts(prompts, seed: int, max_token_id: int = 10000):
+    """Prompts of the same lengths with other ids: the same work again, with nothing for
+    the prefix cache to find."""
+    rng = random.Random(seed)
+    return [[rng.randint(0, max_token_id) for _ in p] for p in prompts]
 
 
 def model_checkpoint(folder: Path | None = None, shapes: dict = QWEN3_0_6B) -> Path:
@@ -67,51 +78,85 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
 
 
-def warmup_requests():
-    """The requests run before the timed one: the workload's range of prompt lengths, so
-    Triton compiles the kernels' specialisations here and not in the timed run; other random
-    prompts than the workload's, so the timed run finds nothing of its own in the prefix cache."""
+# bench.py's warm-up: ``llm.generate(["Benchmark: "], SamplingParams())``, one short
+# prompt with the default parameters (here as ids: the random-weight model has no tokenizer).
+WARMUP_PROMPT = [[33, 8934, 25, 220]]
+
+
+def timed_run(llm, prompts, output_lens) -> dict:
+    """One timed ``generate`` of the workload, as bench.py times it, with what it compiled
+    and how its time split between steps with prefill work and decode-only steps."""
     from minivllm import SamplingParams
+    from minivllm.bench.compiles import triton_compiles
 
-    warm, _ = make_workload(16, seed=12345)
-    return warm, SamplingParams(max_tokens=16, ignore_eos=True)
-
-
-def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, **engine_args) -> dict:
-    from minivllm import LLM, SamplingParams
-
-    llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, record_trace=True,
-              max_num_seqs=256, max_num_batched_tokens=16384, **engine_args)
-    warm, warm_params = warmup_requests()
-    llm.generate(warm, warm_params, use_tqdm=False)
-    llm.engine.trace.clear()
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    before = dict(llm.engine.stats)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    with triton_compiles() as compiled:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
-    model = llm.engine.runner.model
+    stats = {k: llm.engine.stats[k] - before.get(k, 0) for k in ("prefill_seconds", "decode_seconds")}
+    return {"output_tokens": output_tokens, "seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
+            "prefill_step_seconds": stats["prefill_seconds"], "decode_step_seconds": stats["decode_seconds"],
+            "triton_compiles": len(compiled), "compiled": sorted(set(c.split("[")[0] for c in compiled))}
+
+
+def gpu_busy(llm, prompts, output_lens) -> dict:
+    """The workload once more under torch.profiler: how long the GPU ran kernels (the union
+    of their intervals) against the wall time. The profiler slows the host, so this run's
+    own wall time is reported beside it and is not the throughput."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted((e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type().name == "CUDA" and e.name() and not e.name().startswith("Memcpy"))
+    busy, end = 0, 0
+    for s0, s1 in spans:
+        if s1 > end:
+            busy += s1 - max(s0, end)
+            end = s1
+    return {"wall_seconds_under_profiler": wall, "gpu_busy_seconds": busy / 1e9, "kernels": len(spans)}
+
+
+def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, second_run: bool = True,
+                 profile_gpu: bool = False, **engine_args) -> dict:
+    """bench.py's procedure: build the engine, its one-prompt warm-up, then the timed run,
+    the first thing the user's engine does. Then the same work with fresh prompts (the
+    second run, with the per-step trace that the speed of light is computed from)."""
+    from minivllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, max_model_len=4096, **engine_args)
+    startup = time.perf_counter() - start
+    llm.generate(WARMUP_PROMPT, SamplingParams(), use_tqdm=False)
+    torch.cuda.reset_peak_memory_stats()
+    result = {"startup_seconds": startup, "first_run": timed_run(llm, prompts, output_lens)}
+    if second_run:
+        llm.engine.config.record_trace = True
+        result["second_run"] = timed_run(llm, fresh_prompts(prompts, seed=1), output_lens)
+        llm.engine.config.record_trace = False
     trace = llm.engine.trace
-    # Where the time went, kept in the report: steps that carry a prefill (eager) apart from
-    # decode-only steps (CUDA graphs), and the slowest steps, where one-time work shows.
-    slowest = sorted(trace, key=lambda s: s.seconds, reverse=True)[:5]
-    result = {
-        "output_tokens": output_tokens,
-        "seconds": seconds,
-        "output_tokens_per_s": output_tokens / seconds,
+    if profile_gpu:
+        result["gpu_busy"] = gpu_busy(llm, fresh_prompts(prompts, seed=2), output_lens)
+    model = llm.engine.runner.model
+    result.update({
+        **result["first_run"],  # the headline numbers: the user's first run
         "steps": len(trace),
-        "prefill_step_seconds": sum(s.seconds for s in trace if s.num_prefill_tokens),
-        "decode_step_seconds": sum(s.seconds for s in trace if not s.num_prefill_tokens),
-        # Of those, the engine's own Python outside the model runner (scheduling, bookkeeping),
-        # while the GPU waits with nothing queued.
-        "prefill_step_host_seconds": sum(s.host_seconds for s in trace if s.num_prefill_tokens),
-        "decode_step_host_seconds": sum(s.host_seconds for s in trace if not s.num_prefill_tokens),
+        # Steps of the second run, slowest first: where one-time work would show.
         "slowest_steps": [{"step": s.step, "seconds": s.seconds, "prefill_tokens": s.num_prefill_tokens,
-                           "sequences": len(s.seqs)} for s in slowest],
+                           "sequences": len(s.seqs)} for s in sorted(trace, key=lambda s: s.seconds, reverse=True)[:5]],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),
         "kv_blocks": llm.engine.runner.num_kv_blocks,
         "enforce_eager": enforce_eager,
@@ -119,7 +164,8 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
         "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
         "_config": model.config,
-    }
+    })
+    llm.engine.runner.shutdown()
     del llm, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -172,18 +218,24 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
     return results
 
 
-def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256) -> dict:
+def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256,
+         profile_gpu: bool = True) -> dict:
     ceilings = measure_ceilings()
     prompts, output_lens = make_workload(num_requests)
     path = model_checkpoint()
-    ours = run_minivllm(path, prompts, output_lens)
+    ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu)
+    # Both runs have the same schedule (same lengths, no prefix hits), so the second run's
+    # trace gives the floor of each.
     sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings)
     ours["speed_of_light"] = sol
-    ours["percent_of_speed_of_light"] = 100 * sol["floor_seconds"] / ours["seconds"]
+    for run in ("first_run", "second_run"):
+        ours[run]["percent_of_speed_of_light"] = 100 * sol["floor_seconds"] / ours[run]["seconds"]
+    ours["percent_of_speed_of_light"] = ours["first_run"]["percent_of_speed_of_light"]
     baseline = run_transformers(path, prompts, output_lens) if with_transformers else None
     report = {
         "workload": {"requests": num_requests, "prompt_len": [100, 1024], "output_len": [100, 1024],
-                     "temperature": 0.6, "ignore_eos": True, "model": "random weights, Qwen3-0.6B shapes, bfloat16",
+                     "token_ids": [0, 10000], "seed": 0, "temperature": 0.6, "ignore_eos": True,
+                     "model": "random weights, Qwen3-0.6B shapes, bfloat16", "engine": "LLM(path, max_model_len=4096)",
                      "total_prompt_tokens": sum(map(len, prompts)), "total_output_tokens": sum(output_lens)},
         "ceilings": ceilings,
         "minivllm": ours,

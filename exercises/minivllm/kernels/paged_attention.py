@@ -19,12 +19,14 @@ GPU has enough programs; a second small kernel merges the splits' partial softma
 
 Prefill is compute-bound for long prompts:
   bytes ~ 2 * q_len * num_heads * head_dim * dtype_size (q in, out once)
-          + 2 * kv_len * num_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M)
-          (each program, BLOCK_M queries of one head, reads K and V up to its causal
-          limit: about half of that in all, from L2 where its GQA group shares them)
+          + 2 * kv_len * num_kv_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M)
+          (each program, BLOCK_M queries of one KV group, reads K and V up to its causal
+          limit: about half of that in all, mostly from L2)
   FLOPs ~ 2 * 2 * q_len * kv_len * num_heads * head_dim (halved by causality)
-One program handles BLOCK_M queries of one head of one sequence and walks the keys up to its
-causal limit; cached prefix tokens are just more keys.
+One program handles BLOCK_M query positions of one sequence for all the query heads of one
+KV group (a [BLOCK_M * group, head_dim] tile, so each K/V tile it loads serves the whole
+group) and walks the keys up to its causal limit: first the tiles every query sees, without
+a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys.
 
 Both kernels fold each tile of scores into the running softmax with one helper,
 ``_online_softmax_update``.
@@ -56,7 +58,7 @@ def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "PARTITION"])
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -113,7 +115,7 @@ def _decode_kernel(
     tl.store(part_lse_ptr + b * stride_lt + heads * stride_lh + split, lse, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
@@ -200,7 +202,7 @@ def paged_decode_attention(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -213,37 +215,51 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + b)
     q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:
         return
     kv_len = tl.load(context_lens_ptr + b)
     offset = kv_len - q_len  # the queries are the last q_len positions of the sequence
-    kv_head = head // GROUP
 
-    m_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # The tile's rows: BLOCK_M query positions x the BLOCK_G heads of one KV group (position
+    # major), so every K/V tile loaded serves the whole group.
+    r = tl.arange(0, BLOCK_M * BLOCK_G)
+    m_idx = tile * BLOCK_M + r // BLOCK_G
+    g = r % BLOCK_G
+    head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    q_valid = m_idx < q_len
-    q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=q_valid[:, None], other=0.0)
+    row_valid = (m_idx < q_len) & (g < GROUP)
+    q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None], other=0.0)
     q_pos = offset + m_idx
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, HEAD_DIM], tl.float32)
+    first_q = offset + tile * BLOCK_M
     # Keys beyond the tile's last query are masked for every row: stop there.
-    hi = tl.minimum(kv_len, offset + (tile + 1) * BLOCK_M)
-    # With a sliding window, keys before the tile's first query's window are masked for
-    # every row: start at the tile that holds the first visible one.
-    first_visible = tl.where(window > 0, offset + tile * BLOCK_M - window + 1, 0)
-    lo = tl.maximum(first_visible, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(lo, hi, BLOCK_N):
+    hi = tl.minimum(kv_len, first_q + BLOCK_M)
+    # With a sliding window, keys before the first query's window are masked for every row:
+    # start at the tile that holds the first visible one, and mask every tile. Without one,
+    # the tiles wholly at or before the first query are visible to every row: no mask there.
+    lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+    mid = tl.where(window > 0, lo, (first_q + 1) // BLOCK_N * BLOCK_N)
+    for n0 in range(lo, mid, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE)
+        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :])
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
+    for n0 in range(mid, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
         block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
@@ -257,8 +273,21 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+    tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
+    """Tile shape of the prefill kernel: BLOCK_M query positions (times the KV group's heads
+    per tile), BLOCK_N keys per step, and the launch's warps and pipeline stages. On the GPU
+    from scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
+    interpreter (CPU tests) small tiles, so that short test sequences span several."""
+    block_g = triton.next_power_of_2(group)
+    if not on_gpu:
+        return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    rows = 128 if head_dim <= 128 else 64  # query rows per tile: the accumulator is [rows, head_dim] float32
+    return {"BLOCK_M": max(16, rows // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
+            "num_warps": 8, "num_stages": 3}
 
 
 def paged_prefill_attention(
@@ -271,11 +300,12 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     scale: float,
     sliding_window: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
     values, cached prefix included, are already in the cache. Causal, and with
     ``sliding_window`` the query at position p sees keys j with p - sliding_window < j <= p.
-    Returns q's shape."""
+    ``config``: the tile shape (``prefill_config``'s keys), for tuning. Returns q's shape."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
@@ -285,19 +315,15 @@ def paged_prefill_attention(
         raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
     out = torch.empty_like(q)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    # Block sizes: set by hand, not autotuned and not from a sweep (see paged_decode_attention).
-    # On the GPU 64 queries per program, and BLOCK_N halved past head_dim 64 to bound the
-    # [BLOCK_M, head_dim] + [BLOCK_N, head_dim] tiles; in the interpreter (CPU tests) small
-    # query tiles, so that short test sequences still span several of them.
-    block_m = 64 if q.is_cuda else 16
-    block_n = 64 if head_dim <= 64 or not q.is_cuda else 32
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    group = num_heads // num_kv_heads
+    config = config or prefill_config(head_dim, group, q.is_cuda)
+    grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), sliding_window or 0,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        PRECISION=dot_precision(q.dtype), **config,
     )
     return out

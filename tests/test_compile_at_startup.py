@@ -1,0 +1,70 @@
+"""Nothing compiles in the user's run (chapter 17): the engine's start-up runs every kind of
+eager step once (``ModelRunner.compile_kernels``), and the kernels do not specialise on what
+changes from step to step, so a run launches only kernels that are already compiled."""
+import numpy as np
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.model_runner import FIELD_ALIGN, StepInputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_every_field_of_the_flat_step_array_starts_aligned():
+    """Triton specialises a pointer on its 16-byte alignment: a field whose offset moved with
+    the step's sizes would give the kernels that read it a new variant to compile."""
+    for sizes in ([1, 1, 1, 1, 0, 0], [7, 3, 5, 2, 1, 0], [250, 17, 33, 17, 9, 3]):
+        fields = StepInputs.sizes(*sizes)
+        starts, length = StepInputs.offsets(fields)
+        assert all(start % FIELD_ALIGN == 0 for start in starts.values())
+        assert FIELD_ALIGN * 8 % 16 == 0  # int64 fields: 16-byte aligned
+        ends = sorted((starts[name], starts[name] + n) for name, n in fields.items())
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "fields must not overlap"
+        assert length >= max(end for _, end in ends)
+
+
+def test_pack_round_trips_every_field():
+    step = StepInputs.pack(
+        {"input_ids": [5, 6, 7], "positions": [0, 1, 9], "slot_mapping": [0, 1, 41], "context_lens": [2, 10],
+         "cu_seqlens_q": [0, 2, 3], "logits_indices": [1, 2], "pending_dst": [2], "pending_src": [0],
+         "copy_src": [], "copy_dst": []},
+        [[0], [1, 2, 3]], is_prefill=True, max_seqlen_q=2)
+    f = step.fields(step.host)
+    assert f["input_ids"].tolist() == [5, 6, 7] and f["positions"].tolist() == [0, 1, 9]
+    assert f["cu_seqlens_q"].tolist() == [0, 2, 3] and f["pending_src"].tolist() == [0]
+    assert f["block_tables"].tolist() == [[0, -1, -1], [1, 2, 3]]
+    assert (step.num_tokens, step.num_seqs, step.block_table_width, step.max_context_len) == (3, 2, 3, 10)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_startup_steps_leave_the_engine_as_it_was(tiny_qwen3, hybrid_checkpoint, family):
+    """The start-up steps write into KV blocks and state slots that hold nothing yet: an
+    engine that ran them (on the CPU they run only when called) gives the same tokens."""
+    path = tiny_qwen3 if family == "qwen3" else hybrid_checkpoint(family)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 40, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), max_num_batched_tokens=64).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), max_num_batched_tokens=64)
+    llm.engine.runner.compile_kernels()
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.gpu
+def test_a_run_compiles_nothing_after_startup(tiny_qwen3):
+    """On the GPU: a mixed workload (prompts of many lengths, a shared prefix, chunked
+    prefill, decode) triggers no Triton compilation after the engine is built."""
+    from minivllm.bench.compiles import triton_compiles
+
+    llm = LLM(str(tiny_qwen3), max_num_batched_tokens=512, max_num_seqs=64)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 200, size=40).tolist()
+    prompts = [(prefix if i % 2 else []) + rng.integers(3, 200, size=int(n)).tolist()
+               for i, n in enumerate(rng.integers(1, 700, size=48))]
+    params = [SamplingParams(max_tokens=int(n), temperature=0.6, seed=i, ignore_eos=True)
+              for i, n in enumerate(rng.integers(1, 60, size=48))]
+    with triton_compiles() as compiled:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert compiled == [], f"{len(compiled)} kernels compiled inside the run: {compiled[:5]}"
