@@ -1,6 +1,8 @@
-"""Sweep the paged prefill attention kernel's tile shapes on a GPU, check each against a
-torch reference, and print the best against the matmul rate measured in the same run. The
-defaults in ``kernels.paged_attention.prefill_config`` come from this sweep on an H200.
+"""Sweep the paged attention kernels' tile shapes on a GPU, check each against a torch
+reference, and print the best against the ceilings measured in the same run: prefill
+against the matmul rate, decode against the copy bandwidth. The defaults in
+``kernels.paged_attention.prefill_config`` and ``decode_config`` come from this sweep on an
+H200.
 
     python scripts/tune_attention.py [--baseline OLD_paged_attention.py] [--out FILE]
 
@@ -8,7 +10,10 @@ Workloads, Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf1
 of 16 tokens): 8 causal prompts of 1,000 tokens; 8 chunks of 512 tokens after 3,000 cached
 tokens each (chunked prefill over a cached prefix); 64 prompts of 600 tokens.
 FLOPs count only the visible (query, key) pairs: 4 * head_dim * heads per pair.
-``--baseline`` times another version of the kernel module (e.g. an older commit's
+Decode: 256 sequences with contexts uniform in [100, 2048] (the throughput workload's
+decode steps), and 64 sequences of 2,048 (the chapter 15 kernel benchmark's case), sized
+for a 4,096-token max_model_len as under the engine's CUDA graphs; bytes are the K and V
+read. ``--baseline`` times another version of the kernel module (e.g. an older commit's
 ``minivllm/kernels/paged_attention.py``) on the same inputs.
 """
 import argparse
@@ -70,6 +75,54 @@ def run(module, inputs, max_q, config=None):
     return module.paged_prefill_attention(q, k_cache, v_cache, tables, lens, cu, max_q, HEAD_DIM**-0.5, **kwargs)
 
 
+DECODE_WORKLOADS = {"256 x [100, 2048]": torch.Generator().manual_seed(1), "64 x 2048": None}
+
+
+def sweep_decode(baseline, bandwidth):
+    from minivllm.bench.roofline import time_cuda_graph
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    cases = {}
+    for name, lens_gen in DECODE_WORKLOADS.items():
+        lens = torch.randint(100, 2049, (256,), generator=lens_gen).tolist() if lens_gen else [2048] * 64
+        q, k_cache, v_cache, tables, lens_t, _ = make_inputs(lens, [1] * len(lens), generator)
+        ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens))
+        cases[name] = (q, k_cache, v_cache, tables, lens_t, ref, 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2)
+
+    def measure(module, config=None):
+        row = {}
+        for name, (q, k_cache, v_cache, tables, lens_t, ref, nbytes) in cases.items():
+            kwargs = {"config": config} if config else {}
+            fn = lambda: module.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, HEAD_DIM**-0.5, 4096, **kwargs)
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"decode {name}: relative error {err:.2e}")
+            t = time_cuda_graph(fn, calls=10, repeat=10)
+            row[name] = {"seconds": t, "percent_of_copy_bandwidth": 100 * nbytes / t / bandwidth, "relative_error": err}
+        return row
+
+    result = {"default": {"config": paged_attention.decode_config(HEAD_DIM), **measure(paged_attention)}}
+    if baseline is not None:
+        result["baseline"] = measure(baseline)
+    sweep = []
+    for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        config = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        try:
+            sweep.append({"config": config, **measure(paged_attention, config)})
+        except AssertionError:
+            raise
+        except Exception as e:  # a tile that does not fit: say so, go on
+            print(f"skip decode {config}: {type(e).__name__}: {str(e)[:80]}")
+    sweep.sort(key=lambda r: r["256 x [100, 2048]"]["seconds"])
+    result["sweep"] = sweep
+    print("decode, % of copy bandwidth per workload (" + ", ".join(cases) + ")")
+    for label, row in [("baseline", result.get("baseline")), ("default", result["default"])] + \
+            [(str(r["config"]), r) for r in sweep[:6]]:
+        if row:
+            print(f"{label:70s} " + "  ".join(f"{row[w]['percent_of_copy_bandwidth']:5.1f}%" for w in cases))
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", help="another paged_attention.py to time on the same inputs")
@@ -79,7 +132,7 @@ def main():
     rate = ceilings["bf16_matmul_flops_per_s"]
     generator = torch.Generator(device="cuda").manual_seed(0)
     data = {name: make_inputs(lens, q_lens, generator) for name, (lens, q_lens) in WORKLOADS.items()}
-    refs = {name: reference(*data[name], *WORKLOADS[name]) for name in WORKLOADS}
+    refs = {name: reference(*data[name][:4], *WORKLOADS[name]) for name in WORKLOADS}
     flops = {name: 4 * HEAD_DIM * HEADS * pairs(*WORKLOADS[name]) for name in WORKLOADS}
 
     def measure(module, config=None):
@@ -112,6 +165,7 @@ def main():
             raise
         except Exception as e:  # a tile that does not fit in shared memory or registers: say so, go on
             print(f"skip {config}: {type(e).__name__}: {str(e)[:80]}")
+    report["decode"] = sweep_decode(baseline if args.baseline else None, ceilings["copy_bandwidth_bytes_per_s"])
     first = list(WORKLOADS)[0]
     sweep.sort(key=lambda r: r[first]["seconds"])
     report["sweep"] = sweep
