@@ -27,6 +27,12 @@ class Context:
     # Which rows of the flat batch get next-token logits, shape [num_logits]: the last token
     # of each sequence that samples this step. None: every sequence's last token.
     logits_indices: torch.Tensor | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): rows of the flat batch whose logits
+    # score the prompt token that follows them, and those tokens, shape [num_prompt_logits]
+    # each (None: no such row); how many most likely alternatives to report for each.
+    prompt_logits_indices: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_top_k: int = 0
     # Host-side bounds that size kernel launch grids without a device sync.
     max_seqlen_q: int = 0
     max_context_len: int = 0

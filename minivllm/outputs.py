@@ -31,6 +31,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), else its log-probability given the tokens before it and the top-k
+    # alternatives. The same list in every output of one request: read it, don't modify it.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the engine failed this request alone (finish_reason "error"): what went wrong.
     # The other requests of its batch are unaffected.
     error: str | None = None

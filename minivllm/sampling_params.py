@@ -14,6 +14,9 @@ from dataclasses import dataclass
 # (and inf - inf is NaN in the softmax); long before that, the distribution is one token.
 # vLLM raises such a temperature to 0.01 instead; at 0.01 the draw is greedy in practice.
 MIN_TEMPERATURE = 1e-2
+# The most top log-probabilities a request may ask for, per sampled or prompt token (vLLM's
+# default max_logprobs): each costs a top-k over the vocabulary and an entry in the output.
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -29,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top log-probabilities per token
+    # Score the prompt too: for each prompt token after the first, its log-probability given
+    # the tokens before it, and the top-k alternatives (RequestOutput.prompt_logprobs).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1  # completions of the prompt; the prompt is computed once and its KV blocks shared
     # Penalties on tokens already seen. presence / frequency (OpenAI's): subtract the penalty
@@ -71,8 +77,10 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(all(_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "ints >= 0")
         _check(_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
-        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               "logprobs", self.logprobs, "an int in [0, 20], or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
+                   f"an int in [0, {MAX_LOGPROBS}], or None")
         self._check_penalties_and_masks()
 
     def _check_penalties_and_masks(self) -> None:

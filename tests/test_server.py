@@ -284,8 +284,14 @@ BAD = [
     ("stream not a bool", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     # A field this server knows of and cannot honour (unlike one it has never heard of: see
     # test_unknown_fields_are_ignored_with_a_warning).
-    ("known, not supported", "/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2}, 400,
-     "prompt_logprobs"),
+    ("known, not supported", "/v1/completions", {"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400,
+     "use_beam_search"),
+    ("prompt_logprobs streamed", "/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2,
+                                                     "stream": True}, 400, "prompt_logprobs"),
+    ("prompt_logprobs too many", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("max_tokens zero without echo", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0,
+                                                         "echo": False}, 400, "max_tokens"),
     ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("stream_options without stream", "/v1/completions",

@@ -226,8 +226,12 @@ def test_engine_greedy_matches_one_process(checkpoints, name):
     prompts = [shared + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (1, 50, 9)]
     prompts += [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (3, 130)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    scoring = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)  # every rank runs the LM head on them
     with torch_threads(1):
-        reference = LLM(path, **ENGINE_ARGS).generate(prompts, params, use_tqdm=False)
+        one = LLM(path, **ENGINE_ARGS)
+        reference = one.generate(prompts, params, use_tqdm=False)
+        scored_reference = one.generate(prompts[1:], scoring, use_tqdm=False)
+        one.shutdown()
         llm = LLM(path, tensor_parallel_size=2, **ENGINE_ARGS)
         workers = llm.engine.runner.workers
         try:
@@ -236,12 +240,18 @@ def test_engine_greedy_matches_one_process(checkpoints, name):
             outputs = llm.generate(prompts, params, use_tqdm=False)
             # A second round reuses the same workers (and hits the prefix cache).
             again = llm.generate(prompts[:2], params, use_tqdm=False)
+            scored = llm.generate(prompts[1:], scoring, use_tqdm=False)
         finally:
             llm.shutdown()
     for ref, out in zip(reference + reference[:2], outputs + again):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
     assert sum(o.num_cached_tokens for o in outputs) > 0
+    for ref, out in zip(scored_reference, scored):
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        for e, f in zip(ref.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+            assert {t: lp.rank for t, lp in e.items()} == {t: lp.rank for t, lp in f.items()}
+            assert [lp.logprob for lp in e.values()] == pytest.approx([lp.logprob for lp in f.values()], abs=1e-4)
     assert not any(w.is_alive() for w in workers)
     assert parallel_state.get_tp_world_size() == 1  # back to a plain single process
 

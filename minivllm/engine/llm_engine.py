@@ -6,7 +6,7 @@ finished. Everything a serving front end needs (streaming, aborts) is built on t
 """
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -236,15 +236,16 @@ class LLMEngine:
         for i, first in forks:
             rows += [i] * first.seq.num_forks
             requests += first.group[1:]
+        batch.prompt_logprobs, scoring = self._prompt_logprob_rows(batch)
         # A sequence whose newest token the step in flight sampled reads it on the device.
         previous = None
         if self._in_flight is not None and self._in_flight.sampled is not None:
             previous = (self._in_flight.sampled.token_ids, self._in_flight.row_of)
         run_start = time.perf_counter()
         history = token_history(requests, previous) if any(r.needs_history for r in requests) else None
-        sampled = self.runner.run(batch, rows, [r.seq.sampling_params for r in requests],
-                                  [r.generator for r in requests], [self.output_processor.banned(r) for r in requests],
-                                  previous, history)
+        sampled, prompt_scores = self.runner.run(
+            batch, rows, [r.seq.sampling_params for r in requests], [r.generator for r in requests],
+            [self.output_processor.banned(r) for r in requests], previous, history)
         run_seconds = time.perf_counter() - run_start
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -253,16 +254,42 @@ class LLMEngine:
         for request in requests:
             request.seq.num_pending += 1  # its token is on the device until this step is processed
         return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: j for j, r in enumerate(requests)},
-                            num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace)
+                            num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace,
+                            scoring, prompt_scores)
+
+    def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
+        """Which positions of the batch score a prompt token this step (the requests with
+        SamplingParams.prompt_logprobs), as (sequence i, first position, count), and the
+        request each run belongs to. Position p scores prompt token p + 1; the prompt's last
+        position predicts the first output token instead, the sampler's row."""
+        runs, requests = [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.sampling_params.prompt_logprobs is None or seq.index:
+                continue  # (the n completions of a prompt share its first one's scores)
+            request = self._state(seq)
+            # After a preemption the prompt is computed again; the tokens it scored before
+            # are not scored twice. (A preempted sequence comes back only once no step of it
+            # is in flight, so what it scored is all in its list by then.)
+            first = max(seq.num_computed_tokens, len(request.prompt_logprobs) - 1)
+            end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if end > first:
+                runs.append((i, first, end - first))
+                requests.append(request)
+        return runs, requests
 
     def _process(self, step: "LaunchedStep") -> tuple[list[RequestOutput], list[int]]:
         """Take in a step's tokens: append them, check the stop conditions, build outputs."""
         wait_start = time.perf_counter()
         sampled = step.sampled.to_host() if step.sampled is not None else None  # waits for that step only
+        scored = step.prompt_scores.to_host() if step.prompt_scores is not None else None
         self._waited += time.perf_counter() - wait_start
         for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
         finished, touched = [], {}
+        if scored is not None:  # before the tokens: a request's first output carries its prompt's scores
+            for request in self._take_prompt_scores(step, scored):  # those that failed
+                finished.append(request.seq.seq_id)
+                touched[request.seq.request_id] = request.group[0]
         for j, request in enumerate(step.requests):
             seq = request.seq
             seq.num_pending -= 1
@@ -287,6 +314,24 @@ class LLMEngine:
             if done or first.stream:
                 outputs.append(self.output_processor.make_output(first))
         return outputs, finished
+
+    def _take_prompt_scores(self, step: "LaunchedStep", scored) -> list[RequestState]:
+        """Give each request the scores of its prompt tokens from this step; return those
+        that failed doing so."""
+        row, failed = 0, []
+        for (_, first, count), request in zip(step.batch.prompt_logprobs, step.scoring):
+            rows = scored.logprobs[row : row + count]
+            row += count
+            if self.requests.get(request.seq.request_id) is not request.group[0] or request.seq.is_finished:
+                continue  # aborted, or failed, while the step ran
+            try:
+                self.output_processor.append_prompt_logprobs(request, first, rows)
+            except Exception as e:  # e.g. its detokenizer: this request's problem alone
+                logger.exception("recording the prompt logprobs of request %s failed", request.seq.request_id)
+                for completion in request.group:  # the n - 1 forks of its prompt will never start
+                    self._fail(completion, f"recording its prompt logprobs failed: {type(e).__name__}")
+                failed.append(request)
+        return failed
 
     def _account(self, step: "LaunchedStep", elapsed: float, finished: list[int]) -> None:
         """The step's share of the stats, and its trace record (with record_trace)."""
@@ -349,6 +394,9 @@ class LaunchedStep:
     cache_hit_tokens: int
     run_seconds: float  # the host's time putting it on the device
     trace: dict | None
+    # Prompt logprobs: the request of each run in batch.prompt_logprobs, and their scores.
+    scoring: list[RequestState] = field(default_factory=list)
+    prompt_scores: SampledTokens | None = None
 
 
 def token_history(requests: list[RequestState], previous: tuple[torch.Tensor, dict[int, int]] | None) -> TokenHistory:

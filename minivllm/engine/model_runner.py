@@ -51,15 +51,20 @@ class StepInputs:
     num_copies: int = 0
     # Do the logits rows name every sequence's last token, in order? (Then no gather.)
     logits_of_every_sequence: bool = False
+    # Prompt logprobs: rows that score the prompt token after them (prompt_rows), those
+    # tokens (prompt_targets), and how many alternatives each reports.
+    num_prompt_logits: int = 0
+    prompt_top_k: int = 0
 
     @staticmethod
     def sizes(num_tokens: int, num_seqs: int, block_table_width: int, num_logits: int,
-              num_pending: int = 0, num_copies: int = 0) -> dict[str, int]:
+              num_pending: int = 0, num_copies: int = 0, num_prompt_logits: int = 0) -> dict[str, int]:
         """The fields of the flat array, in order, and their lengths."""
         return {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
                 "context_lens": num_seqs, "cu_seqlens_q": num_seqs + 1, "logits_indices": num_logits,
                 "block_tables": num_seqs * block_table_width, "pending_dst": num_pending, "pending_src": num_pending,
-                "copy_src": num_copies, "copy_dst": num_copies}
+                "copy_src": num_copies, "copy_dst": num_copies, "prompt_rows": num_prompt_logits,
+                "prompt_targets": num_prompt_logits}
 
     @staticmethod
     def offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
@@ -76,14 +81,17 @@ class StepInputs:
     @classmethod
     def pack(cls, fields: dict[str, list[int]], block_tables: list[list[int]], is_prefill: bool, max_seqlen_q: int,
              **extra) -> "StepInputs":
-        """A step from its fields as lists (every field of ``sizes`` but block_tables, which
-        is a row per sequence, padded with -1 to the widest)."""
+        """A step from its fields as lists (the fields of ``sizes`` but block_tables, which
+        is a row per sequence, padded with -1 to the widest; the pending, copy and prompt
+        fields may be left out when empty)."""
         num_seqs, width = len(block_tables), max(map(len, block_tables))
         sizes = cls.sizes(len(fields["input_ids"]), num_seqs, width, len(fields["logits_indices"]),
-                          len(fields["pending_dst"]), len(fields["copy_src"]))
+                          len(fields.get("pending_dst", ())), len(fields.get("copy_src", ())),
+                          len(fields.get("prompt_rows", ())))
         host = np.full(cls.offsets(sizes)[1], -1, dtype=np.int64)
         step = cls(host, sizes["input_ids"], num_seqs, width, sizes["logits_indices"], is_prefill, max_seqlen_q,
-                   max(fields["context_lens"]), sizes["pending_dst"], sizes["copy_src"], **extra)
+                   max(fields["context_lens"]), sizes["pending_dst"], sizes["copy_src"],
+                   num_prompt_logits=sizes["prompt_rows"], **extra)
         views = step.fields(host)
         for name, values in fields.items():
             views[name][:] = values
@@ -94,7 +102,7 @@ class StepInputs:
     def fields(self, flat):
         """``flat`` (this step's host array, or its copy on the device) cut into named views."""
         sizes = self.sizes(self.num_tokens, self.num_seqs, self.block_table_width, self.num_logits, self.num_pending,
-                           self.num_copies)
+                           self.num_copies, self.num_prompt_logits)
         starts, _ = self.offsets(sizes)
         views = {name: flat[starts[name] : starts[name] + n] for name, n in sizes.items()}
         views["block_tables"] = views["block_tables"].reshape(self.num_seqs, self.block_table_width)
@@ -106,6 +114,11 @@ FIELD_ALIGN = 16
 # The sizes of the eager steps that compile_kernels runs at start-up, in tokens.
 COMPILE_STEP_TOKENS = (4, 256, 2048)
 WARMUP_MAX_SEQ_LEN = 1024
+# Prompt logprobs score many rows at once (a whole prompt chunk): their logits are computed
+# in slices of at most this many elements (rows x vocabulary, 64 MiB in float32), so the
+# memory they take does not grow with the chunk. A slice fits in the share of the card that
+# gpu_memory_utilization leaves unassigned; the warm-up does not measure it.
+PROMPT_LOGITS_ELEMENTS = 2**24
 
 
 class ModelRunner:
@@ -287,13 +300,16 @@ class ModelRunner:
         rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
         copies = batch.block_copies
         # Everything goes to the device in one copy: one int64 array, cut into named views.
+        prompt_rows, prompt_targets, prompt_top_k = prompt_logprob_rows(batch, cu)
         step = StepInputs.pack(
             {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
              "cu_seqlens_q": cu, "logits_indices": [cu[i + 1] - 1 for i in rows],  # each sampled sequence's last token
              "pending_dst": pending_dst, "pending_src": pending_src,
-             "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies]},
+             "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies],
+             "prompt_rows": prompt_rows, "prompt_targets": prompt_targets},
             [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
-            max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))))
+            max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))),
+            prompt_top_k=prompt_top_k)
         input_ids, positions = self.upload(step, previous[0] if pending_dst else None)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
             self._set_state_slots(state_metadata(batch.seqs))
@@ -326,6 +342,9 @@ class ModelRunner:
             max_context_len=step.max_context_len,
             # Every sequence's last token is what the LM head takes by default: no gather.
             logits_indices=None if step.logits_of_every_sequence else f["logits_indices"],
+            prompt_logits_indices=f["prompt_rows"] if step.num_prompt_logits else None,
+            prompt_targets=f["prompt_targets"] if step.num_prompt_logits else None,
+            prompt_top_k=step.prompt_top_k,
         )
         return f["input_ids"], f["positions"]
 
@@ -342,19 +361,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned,
-            previous: tuple[torch.Tensor, dict[int, int]] | None = None, history=None) -> SampledTokens | None:
-        """Compute the batch; sample a token for each sequence in ``rows_to_sample``. The
-        tokens come back on the device, their copy to the host on its way."""
-        logits = self.execute(*self.prepare(batch, rows_to_sample, previous))
+            previous: tuple[torch.Tensor, dict[int, int]] | None = None,
+            history=None) -> tuple[SampledTokens | None, SampledTokens | None]:
+        """Compute the batch; sample a token for each sequence in ``rows_to_sample``, and
+        score the prompt rows ``batch.prompt_logprobs`` names. Both come back on the device,
+        their copies to the host on their way (None where there is nothing to sample, or no
+        prompt to score)."""
+        logits, scores = self.execute(*self.prepare(batch, rows_to_sample, previous))
+        # In the sampler's shape, as if each scored prompt token had been sampled there.
+        prompt_scores = None
+        if scores is not None:
+            targets, chosen, rank, top_ids, top_values = scores
+            prompt_scores = SampledTokens(targets, (chosen, rank, top_ids, top_values),
+                                          [top_ids.shape[1]] * targets.shape[0])
         if logits is None:
-            return None
-        return self.sampler.launch(logits, params, generators, banned, history)
+            return None, prompt_scores
+        return self.sampler.launch(logits, params, generators, banned, history), prompt_scores
 
     @torch.inference_mode()
-    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def execute(self, input_ids: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor | None, tuple | None]:
         """Run the model on an uploaded step (its Context set); return the logits of the rows
-        the Context names, None when it names none. Under tensor parallelism every rank runs
-        this on the same step, so every rank makes the same choice."""
+        the Context names (None when it names none) and the scores of its prompt rows (None
+        when it has none). Under tensor parallelism every rank runs this on the same step,
+        so every rank makes the same choices (the LM head's all-gather is a collective)."""
         try:
             ctx = get_context()
             # (A decode step has one token per sequence: tokens = sequences.)
@@ -362,11 +392,30 @@ class ModelRunner:
                 hidden = self._replay(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
+            prompt_scores = self._score_prompt_rows(hidden, ctx) if ctx.prompt_logits_indices is not None else None
             if ctx.logits_indices is not None and len(ctx.logits_indices) == 0:
-                return None  # no sequence samples this step (all mid-prefill)
-            return self.model.compute_logits(hidden)
+                return None, prompt_scores  # no sequence samples this step (all mid-prefill)
+            return self.model.compute_logits(hidden), prompt_scores
         finally:
             reset_context()
+
+    def _score_prompt_rows(self, hidden: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
+        """For each prompt row: the prompt token after it, that token's log-probability, its
+        rank (1 = most likely) and the ``ctx.prompt_top_k`` most likely tokens with theirs,
+        as the sampler reports a sampled token's (from the model's raw logits). Computed a
+        slice of rows at a time (PROMPT_LOGITS_ELEMENTS), so that a long chunk never holds
+        all its logits at once."""
+        rows, targets, k = ctx.prompt_logits_indices, ctx.prompt_targets, ctx.prompt_top_k
+        per_slice = max(1, PROMPT_LOGITS_ELEMENTS // self.model_config.vocab_size)
+        parts = []
+        for start in range(0, rows.shape[0], per_slice):
+            logits = self.model.compute_logits(hidden[rows[start : start + per_slice]], all_tokens=True)
+            logprobs = logits.float().log_softmax(dim=-1)
+            chosen = logprobs.gather(-1, targets[start : start + per_slice].unsqueeze(-1))
+            rank = (logprobs > chosen).sum(dim=-1) + 1
+            top = logprobs.topk(k, dim=-1)
+            parts.append((chosen.squeeze(-1), rank, top.indices, top.values))
+        return (targets, *(torch.cat(p) for p in zip(*parts)))
 
     def shutdown(self) -> None:
         """Give the device memory back: the CUDA graphs (their pool holds the captured
@@ -444,6 +493,20 @@ class ModelRunner:
         self.graphs[bs].replay()
         self.graph_replays[bs] += 1
         return s["hidden"][:n]
+
+
+def prompt_logprob_rows(batch: ScheduledBatch, cu: list[int]) -> tuple[list[int], list[int], int]:
+    """The flat-batch rows that score prompt tokens this step (``batch.prompt_logprobs``),
+    the prompt token each scores (the one after it), and the most alternatives any of them
+    reports."""
+    rows, targets, top_k = [], [], 0
+    for i, first, count in batch.prompt_logprobs:
+        seq = batch.seqs[i]
+        row = cu[i] + first - seq.num_computed_tokens  # this step computes from num_computed_tokens
+        rows.extend(range(row, row + count))
+        targets.extend(seq.token_ids[first + 1 : first + 1 + count])
+        top_k = max(top_k, seq.sampling_params.prompt_logprobs)
+    return rows, targets, top_k
 
 
 # What a decode graph reads, each from a static buffer: (name, dtype, the value written to

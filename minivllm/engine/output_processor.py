@@ -29,6 +29,8 @@ class RequestState:
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: an entry per prompt token scored so far, the first None.
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
     stop_reason: int | str | None = None
     stream: bool = False  # report every new token, not just the final output
     # Copied once at admission and shared by every output of the request (read-only for
@@ -139,6 +141,33 @@ class OutputProcessor:
             return "length"
         return None
 
+    def append_prompt_logprobs(self, request: RequestState, first: int, rows: list) -> None:
+        """Record the scores of prompt tokens first + 1, first + 2, ... (one row each: the
+        token's log-probability, its rank, the top token ids and their log-probabilities),
+        each entry shaped as a sampled token's: the request's k most likely tokens, and the
+        prompt's own token if it is not among them."""
+        scored = request.prompt_logprobs
+        if len(scored) != first + 1:
+            raise RuntimeError(f"prompt logprobs of request {request.seq.request_id} arrive for token {first + 1}, "
+                               f"after {len(scored)} tokens: they must come in order")
+        k = request.seq.sampling_params.prompt_logprobs
+        targets = request.prompt_token_ids[first + 1 : first + 1 + len(rows)]
+        text = self._decode_each({t for target, row in zip(targets, rows) for t in (target, *row[2][:k])})
+        for token, (chosen, rank, top_ids, top_values) in zip(targets, rows):
+            entry = {tid: Logprob(v, rank=r + 1, decoded_token=text.get(tid))
+                     for r, (tid, v) in enumerate(zip(top_ids[:k], top_values[:k]))}
+            if token not in entry:
+                entry[token] = Logprob(chosen, rank=rank, decoded_token=text.get(token))
+            scored.append(entry)
+
+    def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
+        """Each token's own text, in one call to the tokenizer (a prompt chunk's worth of
+        tokens one call each would be thousands of calls)."""
+        if self.tokenizer is None:
+            return {}
+        ids = sorted(token_ids)
+        return dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
+
     def _stopped_by_token(self, request: RequestState) -> str:
         """A stop token's text is left out of the output unless include_stop_str_in_output
         (as in vLLM; with skip_special_tokens an EOS adds nothing either way)."""
@@ -159,6 +188,7 @@ class OutputProcessor:
             outputs=[self._completion(r) for r in request.group],
             finished=all(r.seq.is_finished for r in request.group),
             num_cached_tokens=first.seq.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs if first.seq.sampling_params.prompt_logprobs is not None else None,
             error=next((r.error for r in request.group if r.error is not None), None),
         )
 

@@ -23,6 +23,10 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # Copy-on-write: blocks to copy (source, destination) on the device before the step runs.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Prompt logprobs (SamplingParams.prompt_logprobs), chosen by the engine: (sequence i,
+    # first position, count) for each run of positions whose logits score the prompt token
+    # after them this step.
+    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)

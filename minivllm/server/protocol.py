@@ -88,6 +88,17 @@ class SamplingFields(Lenient):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    # Score the prompt: each prompt token's log-probability and the top k, in a
+    # "prompt_logprobs" list (on each choice of a completion, on a chat response).
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        # As in vLLM: a stream's chunks have no place for them. (vLLM lets 0 through and
+        # sends nothing; here any value is refused rather than dropped.)
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -101,18 +112,13 @@ class SamplingFields(Lenient):
 class CompletionRequest(SamplingFields):
     # text, or token ids; or a batch of either: one choice per prompt, in order
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = None  # how many top log-probabilities per token
+    # The prompt's text before the completion's, and with logprobs the prompt tokens' first
+    # (the first token's is null: nothing precedes it). What lm-eval's loglikelihood sends.
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @field_validator("best_of")
     @classmethod
@@ -241,7 +247,6 @@ def _neutral(*values):
 # never heard of, one of these changes what the client gets back, so a value other than
 # its do-nothing default is a 400 naming it rather than a silent no-op.
 NOT_SUPPORTED = {
-    "prompt_logprobs": _neutral(None),
     "use_beam_search": _neutral(None, False),
     "logits_processors": _neutral(None, []),
     "tools": _neutral(None, []),
@@ -319,7 +324,10 @@ def with_extensions(params: SamplingParams, request: SamplingFields) -> Sampling
              "logit_bias": {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None,
              "bad_words": request.bad_words, "allowed_token_ids": request.allowed_token_ids,
              "include_stop_str_in_output": request.include_stop_str_in_output,
-             "truncate_prompt_tokens": request.truncate_prompt_tokens}
+             "truncate_prompt_tokens": request.truncate_prompt_tokens,
+             "prompt_logprobs": request.prompt_logprobs}
+    if isinstance(request, CompletionRequest) and request.echo and request.prompt_logprobs is None:
+        extra["prompt_logprobs"] = request.logprobs  # the echoed prompt's tokens carry logprobs too (vLLM's rule)
     if all(getattr(params, k) == v for k, v in extra.items()):
         return params
     try:
@@ -335,6 +343,10 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
+        if request.echo and max_tokens == 0:
+            # Only the prompt, scored. The engine draws one token, which the answer leaves
+            # out (as vLLM does; its usage counts that token, and so does ours).
+            max_tokens = 1
     try:
         # BEGIN SOLUTION ch14 to_sampling_params
         return SamplingParams(
@@ -371,21 +383,67 @@ def usage(*outputs: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0) -> dict | None:
+def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0) -> dict | None:
     """Completions' logprobs object for tokens ``start:`` of the completion (the ``k`` most
-    likely tokens at each step; ``text_offset`` counts characters from the completion's start)."""
+    likely tokens at each step; ``text_offset`` counts characters from the completion's start,
+    plus ``offset``)."""
     if completion.logprobs is None:
         return None
     pieces = [entry[t].decoded_token or "" for t, entry in zip(completion.token_ids, completion.logprobs)]
-    offset = sum(map(len, pieces[:start]))
+    offset += sum(map(len, pieces[:start]))
+    return _logprobs_object(completion.token_ids[start:], completion.logprobs[start:], k, offset)[0]
+
+
+def echo_logprobs(output: RequestOutput, completion: CompletionOutput | None, k: int, first_token: str) -> dict:
+    """Completions' logprobs object for an echoed prompt: the prompt's tokens (the first
+    with null logprobs, its text ``first_token``), then the completion's tokens so far, if
+    ``completion`` (None: the prompt alone, for max_tokens 0); offsets from the prompt's start."""
+    scored = _logprobs_object(output.prompt_token_ids, output.prompt_logprobs, k, 0, first_token)
+    prompt, offset = scored
+    if completion is not None and completion.logprobs is not None:
+        rest, _ = _logprobs_object(completion.token_ids, completion.logprobs, k, offset)
+        prompt = {key: prompt[key] + rest[key] for key in prompt}
+    return prompt
+
+
+def echo_offset(output: RequestOutput, first_token: str) -> int:
+    """Where an echoed prompt's completion starts, in ``text_offset``'s characters."""
+    return len(first_token) + sum(len(e[t].decoded_token or "")
+                                  for t, e in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))
+
+
+def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str = "") -> tuple[dict, int]:
+    """The completions logprobs object of these tokens and their entries (an entry None:
+    the prompt's first token, unscored, whose text is ``first_token``), and the offset after them."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry, piece in zip(completion.token_ids[start:], completion.logprobs[start:], pieces[start:]):
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            piece = first_token
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            piece = entry[token_id].decoded_token or ""
+            token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
+            top.append({(lp.decoded_token or ""): max(lp.logprob, MIN_LOGPROB) for lp in _top(entry, k)})
         tokens.append(piece)
-        token_logprobs.append(entry[token_id].logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in _top(entry, k)})
         offsets.append(offset)
         offset += len(piece)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+
+
+# JSON has no -inf: a log-probability below this is sent as this (OpenAI's and vLLM's value).
+MIN_LOGPROB = -9999.0
+
+
+def prompt_logprobs(output: RequestOutput) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token, null for the first, else
+    {token id: {logprob, rank, decoded_token}} (the token and its top k)."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()}
+            for entry in output.prompt_logprobs]
 
 
 def chat_logprobs(completion: CompletionOutput, k: int, start: int = 0) -> dict | None:

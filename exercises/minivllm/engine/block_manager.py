@@ -73,7 +73,10 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest run of seq's leading full blocks found in the cache."""
-        if not self.enable_prefix_caching:
+        # A request that asks for its prompt's logprobs needs the logits of every prompt
+        # token, so it computes them all rather than reading cached blocks (as vLLM does).
+        # Its blocks are still hashed once computed, for the requests after it.
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits, parent = [], None
         num_full = seq.num_tokens // self.block_size

@@ -146,6 +146,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
 
+def decode_config(head_dim: int) -> dict:
+    """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile is [BLOCK_N,
+    head_dim], halved for wide heads to bound it), and the launch's warps and pipeline
+    stages. Set by hand when the kernel was written; scripts/tune_attention.py sweeps them
+    (benchmarks/attention_tuning.json), and ``minivllm bench kernels`` measures the result
+    against the copy bandwidth."""
+    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,9 +165,11 @@ def paged_decode_attention(
     max_context_len: int,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one query per sequence). Returns the same shape.
-    With ``sliding_window`` each query sees only the last sliding_window keys.
+    With ``sliding_window`` each query sees only the last sliding_window keys. ``config``:
+    the tile shape (``decode_config``'s keys), for tuning.
 
     ``max_context_len`` bounds the context lengths (it sizes the splits; under a CUDA graph
     it is the engine's max_model_len, since the real lengths change at every replay).
@@ -174,11 +185,8 @@ def paged_decode_attention(
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
-    # Block sizes: set by hand when the kernel was written, not autotuned and not from a
-    # sweep (kernels.gemv's come from scripts/tune_gemv.py; none exists for attention yet).
-    # A K/V tile is [BLOCK_N, head_dim]: halving BLOCK_N for wide heads bounds its size.
-    # ``minivllm bench kernels`` measures the result against the copy bandwidth.
-    block_n = 64 if head_dim <= 128 else 32
+    config = config or decode_config(head_dim)
+    block_n = config["BLOCK_N"]
     partition = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -190,7 +198,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         partition, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **config,
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(num_seqs, num_heads)](
@@ -285,9 +293,11 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
     block_g = triton.next_power_of_2(group)
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    rows = 128 if head_dim <= 128 else 64  # query rows per tile: the accumulator is [rows, head_dim] float32
-    return {"BLOCK_M": max(16, rows // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
-            "num_warps": 8, "num_stages": 3}
+    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps, 2
+    # stages: the sweep's best on the three workloads of head_dim 128 (tiles of 128 rows and
+    # 8 warps were 10-25% slower). Wider heads halve the key tile.
+    return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
+            "num_warps": 4, "num_stages": 2}
 
 
 def paged_prefill_attention(

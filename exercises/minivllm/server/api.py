@@ -52,7 +52,8 @@ from minivllm.server.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, apply_defaults, chat_logprobs, completion_logprobs,
-                                      ignored_fields, now, parse_request, to_sampling_params, usage, with_extensions)
+                                      echo_logprobs, echo_offset, ignored_fields, now, parse_request,
+                                      prompt_logprobs, to_sampling_params, usage, with_extensions)
 from minivllm.tokenizer import encode_chat, max_token_chars
 
 logger = logging.getLogger(__name__)
@@ -299,14 +300,15 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         return [metrics.observe(engine.generate(prompt_ids, params, rid, text), arrival)
                 for rid, (prompt_ids, text) in zip(ids, generate_args)]
 
-    async def respond(outputs, request: Request, head: dict, choice, n: int):
+    async def respond(outputs, request: Request, head: dict, choice, n: int, extra=None):
         """A non-streaming answer: every prompt run to its end. Choices in OpenAI's order:
-        prompt by prompt, its n completions in turn (index = prompt * n + completion)."""
+        prompt by prompt, its n completions in turn (index = prompt * n + completion).
+        ``extra(finals)``: more top-level fields."""
         finals = await final_outputs(outputs, request)
         if finals is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        choices = [choice(i * n + c.index, c) for i, o in enumerate(finals) for c in o.outputs]
-        return {**head, "choices": choices, "usage": usage(*finals)}
+        choices = [choice(i * n + c.index, o, c) for i, o in enumerate(finals) for c in o.outputs]
+        return {**head, "choices": choices, "usage": usage(*finals), **(extra(finals) if extra else {})}
 
     # -- endpoints ---------------------------------------------------------------------
 
@@ -384,24 +386,52 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                                 f"see --max-prompts)", param="prompt")
         if tokenizer is not None:  # refused by their length before any is tokenized
             check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        if body.echo and tokenizer is None:
+            raise APIError(400, "echo: this model has no tokenizer to give the prompt's text with", param="echo")
         batch = []
         for i, prompt in enumerate(prompts):
             ids, text = (await encode(prompt), prompt) if isinstance(prompt, str) else (prompt, None)
             check_prompt(ids, params, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}")
             batch.append((ids, text))
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        echoed = await echo_texts(batch) if body.echo else []
         outputs = start(batch, params, request_id, request)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model_name}
         k = params.logprobs
+        prompt_only = body.echo and body.max_tokens == 0  # its one drawn token is not part of the answer
 
-        def choice(index: int, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0) -> dict:
-            return {"index": index, "text": c.text[sent_text:],
-                    "logprobs": completion_logprobs(c, k, sent_tokens) if k is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        def choice(index: int, output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
+                   stream: bool = False) -> dict:
+            text = "" if prompt_only else c.text[sent_text:]
+            logprobs = completion_logprobs(c, k, sent_tokens) if k is not None else None
+            if body.echo:
+                prompt_text, first_token = echoed[index // params.n]
+                if sent_tokens == 0:  # the choice's first chunk (or the whole answer): the prompt first
+                    text = prompt_text + text
+                    if k is not None:
+                        logprobs = echo_logprobs(output, None if prompt_only else c, k, first_token)
+                elif k is not None:  # later chunks: offsets from the prompt's start
+                    logprobs = completion_logprobs(c, k, sent_tokens, offset=echo_offset(output, first_token))
+            answer = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if params.prompt_logprobs is not None and not stream:  # vLLM's field (never in a stream's chunks)
+                answer["prompt_logprobs"] = prompt_logprobs(output)
+            return answer
 
         if body.stream:
-            return EventStream(stream_events(outputs, head, choice, body.stream_options, n=params.n))
+            return EventStream(stream_events(outputs, head, lambda *a: choice(*a, stream=True), body.stream_options,
+                                             n=params.n))
         return await respond(outputs, request, head, choice, params.n)
+
+    async def echo_texts(batch: list[tuple[list[int], str | None]]) -> list[tuple[str, str]]:
+        """For each prompt, the text that echo puts before the completion (a prompt of token
+        ids decoded, as vLLM does) and its first token's own text (that token has no logprob
+        entry to carry it)."""
+        def texts():
+            return [(text if text is not None else tokenizer.decode(ids), tokenizer.decode(ids[:1]))
+                    for ids, text in batch]
+
+        return await asyncio.to_thread(texts)  # off the event loop, as tokenizing is
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -413,7 +443,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model_name}
         k = params.logprobs
 
-        def choice(index: int, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
+        def choice(index: int, output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
                    stream: bool = False) -> dict:
             message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
             return {"index": index, "delta" if stream else "message": message,
@@ -426,7 +456,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                      for j in range(params.n)]
             return EventStream(stream_events(outputs, head, lambda *a: choice(*a, stream=True), body.stream_options,
                                              first=first, n=params.n))
-        return await respond(outputs, request, head, choice, params.n)
+        # vLLM's prompt_logprobs, for the whole response (one prompt).
+        extra = (lambda finals: {"prompt_logprobs": prompt_logprobs(finals[0])}) if params.prompt_logprobs is not None \
+            else None
+        return await respond(outputs, request, head, choice, params.n, extra)
 
     app.include_router(v1)
 
@@ -580,7 +613,7 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
                     index = i * n + c.index
                     text_sent, tokens_sent = sent.get(index, (0, 0))
                     if len(c.token_ids) > tokens_sent or (c.finish_reason is not None and index not in ended):
-                        choices.append(choice(index, c, text_sent, tokens_sent))
+                        choices.append(choice(index, output, c, text_sent, tokens_sent))
                         sent[index] = (len(c.text), len(c.token_ids))
                         if c.finish_reason is not None:
                             ended.add(index)
