@@ -196,7 +196,7 @@ def run_against(base_url: str, api_key: str | None, out_dir: str, rates: list[fl
     num_requests = num_requests or 64
     prompt_len = (min(100, max_model_len // 4), min(1024, max_model_len // 2))
     output_len = (min(32, max_model_len // 8), min(256, max_model_len // 4))
-    prompts, lens = make_workload(num_requests, *prompt_len, vocab=vocab, seed=seed)
+    prompts, lens = make_workload(num_requests, *prompt_len, max_token_id=vocab - 1, seed=seed)
     rng = random.Random(seed + 1)
     output_lens = [rng.randint(*output_len) for _ in lens]
     url = base_url.rstrip("/")
@@ -240,7 +240,7 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
         prompt_len, output_len = (16, 64), (16, 32)
         llm_args = {"max_num_seqs": 64}
     vocab = ModelConfig.from_pretrained(path).vocab_size
-    prompts, lens = make_workload(num_requests, *prompt_len, vocab=vocab, seed=seed)
+    prompts, lens = make_workload(num_requests, *prompt_len, max_token_id=vocab - 1, seed=seed)
     rng = random.Random(seed + 1)
     output_lens = [rng.randint(*output_len) for _ in lens]
 
