@@ -264,13 +264,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned,
-            previous: tuple[torch.Tensor, dict[int, int]] | None = None, history=None) -> SampledTokens | None:
+            previous: tuple[torch.Tensor, dict[int, int]] | None = None, history=None,
+            bitmask: torch.Tensor | None = None) -> SampledTokens | None:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``. The
         tokens come back on the device, their copy to the host on its way."""
-        logits = self.execute(*self.prepare(batch, rows_to_sample, previous))
+        logits = self.forward(batch, rows_to_sample, previous)
         if logits is None:
             return None
-        return self.sampler.launch(logits, params, generators, banned, history)
+        return self.sample(logits, params, generators, banned, history, bitmask)
+
+    def forward(self, batch: ScheduledBatch, rows_to_sample: list[int],
+                previous: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor | None:
+        """The first half of ``run``: the logits of the rows to sample (None: no row samples).
+        The engine samples them later when a grammar's mask waits for the step in flight."""
+        return self.execute(*self.prepare(batch, rows_to_sample, previous))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params, generators, banned, history=None,
+               bitmask: torch.Tensor | None = None) -> SampledTokens:
+        """The second half of ``run``."""
+        return self.sampler.launch(logits, params, generators, banned, history, bitmask)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
