@@ -286,8 +286,9 @@ BAD = [
     # test_unknown_fields_are_ignored_with_a_warning).
     ("known, not supported", "/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 2}, 400,
      "prompt_logprobs"),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("a tool that is no function", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, "tools"),
     ("stream_options without stream", "/v1/completions",
      {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("an image part", "/v1/chat/completions",
