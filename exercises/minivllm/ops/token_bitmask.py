@@ -20,8 +20,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     raise NotImplementedError(
         "ch18: unpack_bitmask: shift each int32 word right by 0..31 (torch.arange(32), int32) and "
         "keep the lowest bit (& 1): [rows, words, 32]; reshape to [rows, words * 32], keep the "
-        "first vocab_size columns, as bool (token t is bit t % 32 of word t // 32), see the "
-        "chapter 18 notebook"
+        "first vocab_size columns, as bool (token t is bit t % 32 of word t // 32), see "
+        "notebooks/18_structured_output.ipynb"
     )
 
 

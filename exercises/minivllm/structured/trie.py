@@ -59,7 +59,7 @@ def allowed_tokens(choice_node: TrieNode, vocab_trie: TrieNode) -> list[int]:
         "ch18: allowed_tokens: walk both tries together from (choice_node, vocab_trie) with a "
         "stack; for each byte of the vocab node's children that the choice node also has, the "
         "vocab child's token_ids are allowed and (choice child, vocab child) is walked next; "
-        "return them sorted, see the chapter 18 notebook"
+        "return them sorted, see notebooks/18_structured_output.ipynb"
     )
 
 
