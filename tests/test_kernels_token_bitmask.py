@@ -38,8 +38,8 @@ def check(rows, vocab, dtype, device, seed):
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 31), (2, 31), (3, 1024), (4, 1500), (2, 8192)])
-def test_token_bitmask_kernel_interpreted(rows, vocab):
-    check(rows, vocab, torch.float32, "cpu", seed=rows * vocab)
+def test_token_bitmask_kernel_small_shapes(rows, vocab):
+    check(rows, vocab, torch.float32, "cuda" if torch.cuda.is_available() else "cpu", seed=rows * vocab)
 
 
 @pytest.mark.gpu

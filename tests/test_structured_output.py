@@ -20,6 +20,10 @@ from minivllm.structured.matcher import GrammarState, fill_bitmask
 from minivllm.structured.trie import ChoiceConstraint, vocab_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# On the CPU a row's logits do not depend on the rest of its batch, so outputs can be compared
+# token for token across batch compositions; on a GPU (bfloat16, kernels tiled by batch size)
+# the last bits may, and a greedy tie can go either way: there, outputs are checked for validity.
+BATCH_INVARIANT = not torch.cuda.is_available()
 
 # Every value bounded, so that a complete object fits in max_tokens whatever the model does.
 PERSON = {
@@ -129,7 +133,9 @@ def test_constrained_beside_unconstrained_requests(llm):
     alone = llm.generate(PROMPTS, plain, use_tqdm=False)
     constrained = SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=PERSON))
     mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained] * 4, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed[:4]] == [o.outputs[0].token_ids for o in alone]
+    if BATCH_INVARIANT:
+        assert [o.outputs[0].token_ids for o in mixed[:4]] == [o.outputs[0].token_ids for o in alone]
+    assert all(len(o.outputs[0].token_ids) == 30 or o.outputs[0].finish_reason == "stop" for o in mixed[:4])
     for o in mixed[4:]:
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
 
@@ -171,10 +177,25 @@ def test_async_scheduling_gives_the_same_greedy_outputs():
     outs = asynchronous.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == token_ids(sync)
     assert len(deferred) > 10  # the deferred path ran
-    for o, p in zip(outs, params):
-        so = p.structured_outputs
-        if so is not None and so.json is not None:
-            jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+    check_valid(outs, params)
+
+
+def check_valid(outputs, params) -> None:
+    """Each finished output of greedy_structured_workload follows its spec."""
+    for o, p in zip(outputs, params):
+        so, out = p.structured_outputs, o.outputs[0]
+        if so is None or out.finish_reason != "stop":
+            continue
+        if so.json is not None:
+            jsonschema.validate(json.loads(out.text), PERSON)
+        elif so.regex is not None:
+            assert re.fullmatch(so.regex, out.text), out.text
+        elif so.choice is not None:
+            assert out.text in so.choice
+        elif so.grammar is not None:
+            assert re.fullmatch(r"<[a-z ]{4,30}>", out.text), out.text
+        else:
+            assert isinstance(json.loads(out.text), dict)
 
 
 def test_preemption_and_chunked_prefill_under_constraints():
@@ -187,7 +208,9 @@ def test_preemption_and_chunked_prefill_under_constraints():
                   record_trace=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert sum(len(r.preempted) for r in llm.engine.trace) > 0
-        assert token_ids(outs) == token_ids(reference)
+        if BATCH_INVARIANT:
+            assert token_ids(outs) == token_ids(reference)
+        check_valid(outs, params)
 
 
 def test_streaming_a_constrained_output(llm):
