@@ -68,6 +68,8 @@ def server_config(args):
     if getattr(args, "chat_template", None) is not None:
         config.chat_template = resolve_chat_template(args.chat_template)
     config.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
+    if getattr(args, "tool_call_parser", None) is not None:
+        config.tool_call_parser = args.tool_call_parser
     if args.allowed_hosts is not None:
         config.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     elif args.host not in LOOPBACK_HOSTS:
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "instead of the tokenizer's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in requests (a template is code the server runs)")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json"],
+                       help="how tool_choice=auto reads the model's tool calls (default hermes: Qwen's and "
+                            "Hermes' <tool_call> JSON)")
     serve.add_argument("--max-request-bytes", type=int, default=None, help="refuse bigger bodies (default 16 MiB)")
     serve.add_argument("--max-stop", type=int, default=None, help="stop strings per request (default 64)")
     serve.add_argument("--max-stop-chars", type=int, default=None, help="characters per stop string (default 256)")

@@ -112,6 +112,9 @@ class LLM:
                 self.engine.validate_prompt(ids)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        for params in {id(p): p for p in sampling_params}.values():
+            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+                self.engine.validate_structured(params)  # a bad schema or grammar: before any is queued
         ids = []
         for (token_ids, text), params in zip(tokenized, sampling_params):
             self._counter += 1

@@ -10,6 +10,8 @@ share.
 import math
 from dataclasses import dataclass
 
+from minivllm.structured.params import StructuredOutputsParams
+
 # A temperature below this is greedy. Dividing logits by a tiny temperature overflows to inf
 # (and inf - inf is NaN in the softmax); long before that, the distribution is one token.
 # vLLM raises such a temperature to 0.01 instead; at 0.01 the draw is greedy in practice.
@@ -49,6 +51,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generate these words
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # Constrained decoding (chapter 18): the output follows a JSON schema, a regex, a choice
+    # or a grammar. (A dict is taken as StructuredOutputsParams' fields.)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -82,6 +87,7 @@ class SamplingParams:
             _check(value is None or (_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
                    f"an int in [0, {MAX_LOGPROBS}], or None")
         self._check_penalties_and_masks()
+        self._check_structured_outputs()
 
     def _check_penalties_and_masks(self) -> None:
         """The ranges are vLLM's. Token ids are checked against the vocabulary where it is
@@ -114,6 +120,21 @@ class SamplingParams:
         _check(self.truncate_prompt_tokens is None or (_int(self.truncate_prompt_tokens)
                                                        and self.truncate_prompt_tokens >= 1),
                "truncate_prompt_tokens", self.truncate_prompt_tokens, "an int >= 1, or None")
+
+    def _check_structured_outputs(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
+            _check(not unknown, "structured_outputs", unknown, "fields of StructuredOutputsParams "
+                   f"({', '.join(StructuredOutputsParams.__dataclass_fields__)})")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams (or its fields as a dict)")
+        if self.structured_outputs is not None:
+            # The grammar ends the output with the stop token once it is complete.
+            _check(not self.ignore_eos, "ignore_eos", self.ignore_eos, "False with structured_outputs (the grammar "
+                   "ends the output with EOS)")
+            _check(not self.min_tokens, "min_tokens", self.min_tokens, "0 with structured_outputs (the grammar "
+                   "decides where the output ends)")
 
     @property
     def uses_penalties(self) -> bool:

@@ -121,12 +121,22 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         written.append(match.group())
         return f"{marker}{len(written) - 1}\ue001"
 
+    def scrub(value):  # every string a message holds, tool calls' arguments included
+        if isinstance(value, str):
+            return pattern.sub(hide, value)
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        if isinstance(value, dict):
+            return {k: scrub(v) for k, v in value.items()}
+        return value
+
     safe = []
     for message in messages:
         if pattern is not None:
-            message = {key: pattern.sub(hide, value) if isinstance(value, str) and key != "role" else value
-                       for key, value in message.items()}
+            message = {key: scrub(value) if key != "role" else value for key, value in message.items()}
         safe.append(message)
+    if pattern is not None and template_kwargs.get("tools"):  # the tools' descriptions are the client's text too
+        template_kwargs = {**template_kwargs, "tools": scrub(template_kwargs["tools"])}
     text = tokenizer.apply_chat_template(safe, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **template_kwargs)
     if not written:

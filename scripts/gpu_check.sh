@@ -2,9 +2,10 @@
 # The GPU check: GPU tests, every notebook under nbval on CUDA (executed copies saved so the
 # book shows GPU outputs), and the benchmarks; prints one summary table last.
 #
-# Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack or
-# the server stack is missing, put their wheels (nbval, ipykernel, fastapi, uvicorn, openai
-# and dependencies) in .whl/: they are installed to /tmp/site first. Results land in $OUT
+# Where: a CUDA machine with torch, triton and transformers. If the Jupyter/nbval stack, the
+# server stack or xgrammar is missing, put their wheels (nbval, ipykernel, fastapi, uvicorn,
+# openai, xgrammar, apache-tvm-ffi, jsonschema and dependencies) in .whl/: they are installed
+# to /tmp/site first. Results land in $OUT
 # (default: .out/gpu) and in benchmarks/.
 #   bash scripts/gpu_check.sh [tests] [notebooks] [bench]   (default: all three)
 #   BENCHES="moe latency" bash scripts/gpu_check.sh bench    (a subset of the benchmarks)
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-.out/gpu}
 mkdir -p "$OUT" benchmarks
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ] && ! python3 -c 'import nbval' 2>/dev/null; then
+if [ -d .whl ] && ! python3 -c 'import nbval, xgrammar, jsonschema' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" PATH="/tmp/site/bin:$PATH"
 fi
@@ -33,7 +34,7 @@ multi_gpu=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo yes || echo no)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
-  tests=${TESTS:-"tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
+  tests=${TESTS:-"tests/test_kernels.py tests/test_kernels_gated_delta.py tests/test_kernels_token_bitmask.py tests/test_structured_output.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
   # A test stuck for over 5 minutes dumps every thread's stack into the log; with
   # pytest-timeout installed, one stuck for 10 minutes (say, in an NCCL collective, where no
   # signal reaches Python) also ends the run instead of holding the machine.
@@ -45,9 +46,14 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  benches="${BENCHES:-kernels latency throughput moe gated-delta serving} $([ $multi_gpu = yes ] && echo tp)"
+  benches="${BENCHES:-kernels latency throughput moe gated-delta serving structured} $([ $multi_gpu = yes ] && echo tp)"
   for which in $benches; do
-    python3 -m minivllm.cli bench $which --out benchmarks > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
+    if [ $which = structured ]; then  # chapter 18: a script of its own
+      command="python3 scripts/bench_structured.py --out benchmarks/structured.json"
+    else
+      command="python3 -m minivllm.cli bench $which --out benchmarks"
+    fi
+    $command > "$OUT/bench_$which.log" 2>&1 || { ok=FAIL; tail -20 "$OUT/bench_$which.log"; }
   done
   tar czf "$OUT/benchmarks.tgz" benchmarks/*.json benchmarks/*.png 2>/dev/null
   status[bench]=$ok

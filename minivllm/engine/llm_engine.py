@@ -84,6 +84,7 @@ class LLMEngine:
         self.is_shut_down = False
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step on the device
         self._waited = 0.0  # this step's time waiting for the device's tokens
+        self._grammars = None  # structured output: the grammar compiler, made at the first such request
 
     # -- requests ----------------------------------------------------------------------
 
@@ -116,6 +117,12 @@ class LLMEngine:
             group.append(self.output_processor.new_request(seq, prompt, generator, stream))
         for request in group:
             request.group = group
+        if params.structured_outputs is not None:  # each completion walks the grammar on its own
+            compiled = self.grammar_compiler().compile(params.structured_outputs)  # cached by validate_request
+            from minivllm.structured.matcher import GrammarState
+
+            for request in group:
+                request.grammar = GrammarState(compiled)
         first.num_forks = params.n - 1
         self.requests[first.request_id] = group[0]
         self.scheduler.add(first)
@@ -164,6 +171,26 @@ class LLMEngine:
         if bad:
             raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
                                    f"model's vocabulary [0, {vocab})", "bad_words")
+        self.validate_structured(params)
+
+    def validate_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar, if it has one, so that a bad schema or grammar is the
+        caller's error before the request is queued (the compiled grammar is cached for
+        add_request). InvalidParameter names what is wrong."""
+        if params.structured_outputs is not None:
+            self.grammar_compiler().compile(params.structured_outputs)
+
+    def grammar_compiler(self):
+        """The engine's grammar compiler (chapter 18), made when the first request needs it."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidParameter("SamplingParams.structured_outputs needs a tokenizer: the grammar speaks of "
+                                       "text, and this model ships none", "structured_outputs")
+            from minivllm.structured.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -209,7 +236,8 @@ class LLMEngine:
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
             outputs, finished = self._process(previous) if previous is not None else ([], [])
-
+            if launched is not None and launched.deferred is not None:
+                self._sample_deferred(launched)  # its grammars now know the tokens of `previous`
         else:
             outputs, finished = self._process(launched) if launched is not None else ([], [])
         if launched is not None:
@@ -243,9 +271,21 @@ class LLMEngine:
             previous = (self._in_flight.sampled.token_ids, self._in_flight.row_of)
         run_start = time.perf_counter()
         history = token_history(requests, previous) if any(r.needs_history for r in requests) else None
-        sampled, prompt_scores = self.runner.run(
-            batch, rows, [r.seq.sampling_params for r in requests], [r.generator for r in requests],
-            [self.output_processor.banned(r) for r in requests], previous, history)
+        args = ([r.seq.sampling_params for r in requests], [r.generator for r in requests],
+                [self.output_processor.banned(r) for r in requests], history)
+        deferred = None
+        if not any(r.grammar is not None for r in requests):
+            sampled, prompt_scores = self.runner.run(batch, rows, *args[:3], previous, history)
+        elif any(r.seq.num_pending for r in requests if r.grammar is not None):
+            # A grammar's mask needs the token the step in flight sampled, which the host does
+            # not have yet (asynchronous scheduling): the forward pass goes on the device now,
+            # the sampling once that step is processed (step() calls _sample_deferred), so the
+            # device computes this step while the host takes in the last one.
+            logits, prompt_scores = self.runner.forward(batch, rows, previous)
+            sampled, deferred = None, (logits, args)
+        else:
+            sampled, prompt_scores = self.runner.run(batch, rows, *args[:3], previous, history,
+                                                     bitmask=self._bitmask(requests))
         run_seconds = time.perf_counter() - run_start
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -255,7 +295,7 @@ class LLMEngine:
             request.seq.num_pending += 1  # its token is on the device until this step is processed
         return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: j for j, r in enumerate(requests)},
                             num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace,
-                            scoring, prompt_scores)
+                            scoring, prompt_scores, deferred)
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
         """Which positions of the batch score a prompt token this step (the requests with
@@ -276,6 +316,22 @@ class LLMEngine:
                 runs.append((i, first, end - first))
                 requests.append(request)
         return runs, requests
+
+    def _bitmask(self, requests: list[RequestState]):
+        """The tokens each sampled row's grammar allows next (every token for a row without
+        one, or whose request has ended), on the host."""
+        from minivllm.structured.matcher import fill_bitmask
+
+        states = [None if r.grammar is None or r.seq.is_finished else r.grammar for r in requests]
+        return fill_bitmask(states, self.runner.model_config.vocab_size)
+
+    def _sample_deferred(self, step: "LaunchedStep") -> None:
+        """Sample a step whose forward pass went ahead of its grammars' masks (see _launch)."""
+        logits, (params, generators, banned, history) = step.deferred
+        step.deferred = None
+        if logits is not None:
+            step.sampled = self.runner.sample(logits, params, generators, banned, history,
+                                              self._bitmask(step.requests))
 
     def _process(self, step: "LaunchedStep") -> tuple[list[RequestOutput], list[int]]:
         """Take in a step's tokens: append them, check the stop conditions, build outputs."""
@@ -371,6 +427,10 @@ class LLMEngine:
         first.seq.num_forks = 0
 
     def _append_token(self, request: RequestState, token: int, logprobs) -> None:
+        if request.grammar is not None and not request.grammar.accept(token):
+            # The mask allowed only what the grammar allows: this is a bug, but one request's.
+            self._fail(request, f"structured output: the sampled token {token} is not allowed by the grammar")
+            return
         reason = self.output_processor.append_token(request, token, logprobs)
         if reason is not None:
             self.scheduler.finish(request.seq, reason)
@@ -397,6 +457,9 @@ class LaunchedStep:
     # Prompt logprobs: the request of each run in batch.prompt_logprobs, and their scores.
     scoring: list[RequestState] = field(default_factory=list)
     prompt_scores: SampledTokens | None = None
+    # Structured output under asynchronous scheduling: (logits, sampling arguments) of a step
+    # whose forward pass is on the device and whose sampling waits for its grammars' masks.
+    deferred: tuple | None = None
 
 
 def token_history(requests: list[RequestState], previous: tuple[torch.Tensor, dict[int, int]] | None) -> TokenHistory:

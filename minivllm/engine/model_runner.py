@@ -361,12 +361,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, rows_to_sample: list[int], params, generators, banned,
-            previous: tuple[torch.Tensor, dict[int, int]] | None = None,
-            history=None) -> tuple[SampledTokens | None, SampledTokens | None]:
+            previous: tuple[torch.Tensor, dict[int, int]] | None = None, history=None,
+            bitmask: torch.Tensor | None = None) -> tuple[SampledTokens | None, SampledTokens | None]:
         """Compute the batch; sample a token for each sequence in ``rows_to_sample``, and
         score the prompt rows ``batch.prompt_logprobs`` names. Both come back on the device,
         their copies to the host on their way (None where there is nothing to sample, or no
         prompt to score)."""
+        logits, prompt_scores = self.forward(batch, rows_to_sample, previous)
+        if logits is None:
+            return None, prompt_scores
+        return self.sample(logits, params, generators, banned, history, bitmask), prompt_scores
+
+    def forward(self, batch: ScheduledBatch, rows_to_sample: list[int],
+                previous: tuple[torch.Tensor, dict[int, int]] | None = None
+                ) -> tuple[torch.Tensor | None, SampledTokens | None]:
+        """The first half of ``run``: the logits of the rows to sample (None: no row samples)
+        and the prompt rows' scores. The engine samples later when a grammar's mask waits
+        for the step in flight."""
         logits, scores = self.execute(*self.prepare(batch, rows_to_sample, previous))
         # In the sampler's shape, as if each scored prompt token had been sampled there.
         prompt_scores = None
@@ -374,9 +385,13 @@ class ModelRunner:
             targets, chosen, rank, top_ids, top_values = scores
             prompt_scores = SampledTokens(targets, (chosen, rank, top_ids, top_values),
                                           [top_ids.shape[1]] * targets.shape[0])
-        if logits is None:
-            return None, prompt_scores
-        return self.sampler.launch(logits, params, generators, banned, history), prompt_scores
+        return logits, prompt_scores
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params, generators, banned, history=None,
+               bitmask: torch.Tensor | None = None) -> SampledTokens:
+        """The second half of ``run``."""
+        return self.sampler.launch(logits, params, generators, banned, history, bitmask)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor,

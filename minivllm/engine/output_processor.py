@@ -8,6 +8,7 @@ when the request arrives (``new_request``): the ids that end it, the ids banned 
 grow with how many stop strings or stop ids a request carries.
 """
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from minivllm.engine.stop_strings import StopStrings, stop_strings
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from minivllm.structured.matcher import GrammarState
 
 
 @dataclass
@@ -49,6 +53,8 @@ class RequestState:
     # The request's completions, in index order (SamplingParams.n; one for n = 1): the same
     # list in each of them. The first computes the prompt, then forks into the others.
     group: list["RequestState"] = field(default_factory=list)
+    # Structured output (chapter 18): where this completion stands in its grammar, or None.
+    grammar: "GrammarState | None" = None
 
 
 class OutputProcessor:

@@ -129,11 +129,11 @@ class TensorParallelRunner(ModelRunner):
             _stop(self.workers, self.steps, abort=True)
             raise RuntimeError(f"tensor-parallel start-up failed{self._worker_errors()}") from e
 
-    def run(self, batch, rows_to_sample: list[int], params, generators, banned, previous=None, history=None):
+    def forward(self, batch, rows_to_sample: list[int], previous=None):
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker(s) {dead} are not running{self._worker_errors()}")
-        return super().run(batch, rows_to_sample, params, generators, banned, previous, history)
+        return super().forward(batch, rows_to_sample, previous)
 
     def upload(self, step: StepInputs, previous_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Send the flattened step to every worker, then upload it here too. (The step says

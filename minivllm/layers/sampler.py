@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.layers.logits_processors import TokenHistory, process_logits
+from minivllm.ops.token_bitmask import apply_token_bitmask
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,10 @@ def rows_to_device(values: list[list[float]], dtype: torch.dtype, device: torch.
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 banned: list[list[int]] | None = None, history: TokenHistory | None = None) -> SamplerOutput:
+                 banned: list[list[int]] | None = None, history: TokenHistory | None = None,
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a token for each row of logits; the tokens (and log-probs) on the host."""
-        return self.launch(logits, params, generators, banned, history).to_host()
+        return self.launch(logits, params, generators, banned, history, bitmask).to_host()
 
     def launch(
         self,
@@ -133,12 +135,14 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned: list[list[int]] | None = None,
         history: TokenHistory | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SampledTokens:
         """The same, leaving the tokens on the device (their copy to the host under way).
         ``history``: what each row has seen, for the penalties and bad words (None when no
-        row uses them)."""
+        row uses them). ``bitmask``: the tokens each row's grammar allows, on the host
+        ([rows, ceil(vocab / 32)] int32, chapter 18), or None when no row has a grammar."""
         try:
-            return self.sample(logits, params, generators, banned, history)
+            return self.sample(logits, params, generators, banned, history, bitmask)
         except NotImplementedError:
             raise  # missing code (an exercise left blank) is nobody's request
         except Exception:
@@ -154,7 +158,8 @@ class Sampler:
             try:
                 one = self.sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1],
                                   banned[row : row + 1] if banned else None,
-                                  history.row(row) if history else None).to_host()
+                                  history.row(row) if history else None,
+                                  bitmask[row : row + 1] if bitmask is not None else None).to_host()
                 out.token_ids += one.token_ids
                 out.logprobs += one.logprobs
             except NotImplementedError:
@@ -170,12 +175,17 @@ class Sampler:
             out.errors[row] = f"sampling failed: {type(e).__name__}"
         return SampledTokens.on_host(out, logits.device)
 
-    def sample(self, logits, params, generators, banned, history=None) -> SampledTokens:
+    def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
         logits = logits.float()
         device, vocab = logits.device, logits.shape[-1]
         ks = [p.logprobs for p in params]
         # Log-probabilities are reported as the model gave them, before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in ks) else None
+        if bitmask is not None:  # first, as in vLLM: the grammar decides what may be drawn at all
+            # (In place, like the bans below; masking a row twice, as the rescue path may, is
+            # the same as once.)
+            apply_token_bitmask(logits, bitmask.pin_memory().to(device, non_blocking=True)
+                                if device.type == "cuda" else bitmask)
         logits = process_logits(logits, params, history)  # returns logits itself when no row asks
         if banned and any(banned):  # e.g. EOS before min_tokens is reached
             cells = [[row, token] for row, ids in enumerate(banned) for token in ids]

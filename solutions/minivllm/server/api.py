@@ -28,6 +28,7 @@ some hostile, so what one request can cost is bounded before any work is done fo
 length (counted in characters before it is tokenized, and tokenized off the event loop).
 """
 import asyncio
+import dataclasses
 import hmac
 import html
 import json
@@ -53,6 +54,7 @@ from minivllm.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       TokenizeRequest, apply_defaults, chat_logprobs, completion_logprobs,
                                       echo_logprobs, echo_offset, ignored_fields, now, parse_request,
                                       prompt_logprobs, to_sampling_params, usage, with_extensions)
+from minivllm.server.tools import ToolAnswer, structured_outputs, template_messages, tool_plan
 from minivllm.tokenizer import encode_chat, max_token_chars
 
 logger = logging.getLogger(__name__)
@@ -81,11 +83,16 @@ class ServerConfig:
     # A chat_template in a request is code the server would run for a stranger: refused
     # unless the operator says every client is trusted (as vLLM's flag of the same name).
     trust_request_chat_template: bool = False
+    tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (server.tools.TOOL_PARSERS)
 
     def __post_init__(self):
         for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        from minivllm.server.tools import TOOL_PARSERS
+
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: known parsers are {', '.join(TOOL_PARSERS)}")
 
 
 def sse_event(data: dict) -> str:
@@ -227,7 +234,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                                 f"cannot fit in it (at most {max_prompt_chars})", param=param,
                            code="context_length_exceeded")
 
-    def check_prompt(ids: list[int], params, param: str, which: str = "the prompt") -> None:
+    def check_prompt(ids: list[int], params, param: str, which: str = "the prompt", body=None) -> None:
         if len(ids) >= max_model_len:
             raise APIError(400, f"this model's context is {max_model_len} tokens, but {which} has {len(ids)}",
                            param=param, code="context_length_exceeded")
@@ -238,6 +245,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         try:
             engine.validate(ids, params)
         except InvalidParameter as e:
+            if e.param == "structured_outputs" and body is not None:  # name the field the client wrote
+                source = structured_outputs(body)[1]
+                raise APIError(400, f"{source}: {e}", param=source) from None
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, f"{which}: {e}" if which != "the prompt" else str(e), param=param) from None
@@ -261,14 +271,15 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions or start the "
                                 "server with --chat-template", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        messages = template_messages(body.messages)
         check_chars(sum(len(m["content"]) for m in messages), "messages")
+        tools = getattr(body, "tools", None)
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
             # The template and the tokenizer in a worker thread, as for a text prompt.
             return await asyncio.to_thread(
                 encode_chat, tokenizer, messages, body.add_generation_prompt, chat_template=template,
-                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
+                continue_final_message=body.continue_final_message, **extra, **(body.chat_template_kwargs or {}))
         except Exception as e:  # the template itself refuses (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -279,7 +290,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         check_model(body.model)
         check_stops(body)
         apply_defaults(body, defaults)
-        return body, with_extensions(to_sampling_params(body), body)
+        params = with_extensions(to_sampling_params(body), body)
+        constraint, source = structured_outputs(body)  # response_format, structured_outputs, tools
+        if constraint is not None:
+            try:
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            except InvalidParameter as e:
+                raise APIError(400, f"{source}: {e}", param=e.param) from None
+        return body, params
 
     def warn_ignored(request: Request, body) -> None:
         ignored = ignored_fields(body)
@@ -386,7 +404,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         batch = []
         for i, prompt in enumerate(prompts):
             ids, text = (await encode(prompt), prompt) if isinstance(prompt, str) else (prompt, None)
-            check_prompt(ids, params, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}")
+            check_prompt(ids, params, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}", body)
             batch.append((ids, text))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoed = await echo_texts(batch) if body.echo else []
@@ -432,18 +450,27 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def chat_completions(request: Request):
         body, params = await parse(request, ChatCompletionRequest)
         ids, text = await encode_messages(body)
-        check_prompt(ids, params, "messages")
+        check_prompt(ids, params, "messages", body=body)
+        plan = tool_plan(body)
+        if plan is not None and plan.mode == "none":
+            plan = None  # the tools reached the template; the answer is text
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model_name}
         k = params.logprobs
+        answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed
 
         def choice(index: int, output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
                    stream: bool = False) -> dict:
-            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if plan is not None:
+                answer = answers.setdefault(index, ToolAnswer(plan, config.tool_call_parser))
+                message, reason = answer.delta(c.text, reason) if stream else answer.message(c.text, reason)
+            else:
+                message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
             return {"index": index, "delta" if stream else "message": message,
                     "logprobs": chat_logprobs(c, k, sent_tokens) if k is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": reason, "stop_reason": c.stop_reason}
 
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}

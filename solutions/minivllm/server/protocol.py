@@ -5,7 +5,7 @@
 """The OpenAI wire format: request bodies, their checks, and the JSON we answer with.
 
 Known fields are parsed strictly: a wrong type (``"max_tokens": "ten"``) or a value this
-server does not support (``n=2``, ``tools=[...]``) is a 400 naming the field, never a silent
+server does not support (``best_of=2``, ``echo``) is a 400 naming the field, never a silent
 default. A field it does not know at all is accepted and ignored, with a warning in the log
 that names it, as vLLM does: clients send the fields of newer API versions and of other
 servers, and refusing them would break those clients for nothing. (The price: a misspelt
@@ -113,7 +113,15 @@ class SamplingFields(Lenient):
         return value
 
 
-class CompletionRequest(SamplingFields):
+class StructuredFields(Lenient):
+    """What the output must follow (chapter 18): OpenAI's ``response_format``, or vLLM's own
+    ``structured_outputs`` (StructuredOutputsParams' fields). At most one of them."""
+
+    response_format: "ResponseFormat | None" = None
+    structured_outputs: "StructuredOutputsField | None" = None
+
+
+class CompletionRequest(SamplingFields, StructuredFields):
     # text, or token ids; or a batch of either: one choice per prompt, in order
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # 0 only with echo: the prompt scored, nothing generated
@@ -151,10 +159,12 @@ class TextPart(Lenient):
 
 
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # null: an assistant turn that said nothing (a client sends back tool calls with it)
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: "list[ToolCallIn] | None" = None  # an assistant's calls, sent back with the results
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
@@ -194,7 +204,77 @@ class ChatTemplateFields(Lenient):
         return value
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+# -- structured output and tools (chapter 18; what they do is in server/tools.py) -------
+
+
+class JsonSchemaFormat(Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputsField(Lenient):
+    """vLLM's ``structured_outputs`` request field (StructuredOutputsParams checks the rest)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (none: no arguments)
+    strict: bool | None = None
+
+
+class ToolDefinition(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(Lenient):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolFields(Lenient):
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: until the context is full
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
@@ -253,12 +333,9 @@ def _neutral(*values):
 NOT_SUPPORTED = {
     "use_beam_search": _neutral(None, False),
     "logits_processors": _neutral(None, []),
-    "tools": _neutral(None, []),
-    "tool_choice": _neutral(None, "none", "auto"),
-    "functions": _neutral(None, []),
+    "functions": _neutral(None, []),  # the deprecated spelling of tools
     "function_call": _neutral(None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "structured_outputs": _neutral(None),
+    "response_format": _neutral(None),  # /v1/completions and the chat take it: elsewhere refused
     "guided_json": _neutral(None),
     "guided_regex": _neutral(None),
     "guided_choice": _neutral(None),
@@ -296,8 +373,9 @@ def ignored_fields(body: Lenient) -> list[str]:
     """The fields of a parsed request that nothing reads (they are logged, then ignored):
     the body's own and those of its messages and their parts, as dotted paths."""
     found = [name for name in body.model_extra or {} if name not in NOT_SUPPORTED]
-    parts = [("stream_options", getattr(body, "stream_options", None))]
-    for i, message in enumerate(getattr(body, "messages", None) or []):
+    declared = type(body).model_fields  # (an undeclared "messages" is an ignored extra, not a list)
+    parts = [("stream_options", body.stream_options if "stream_options" in declared else None)]
+    for i, message in enumerate((body.messages if "messages" in declared else None) or []):
         parts.append((f"messages.{i}", message))
         if isinstance(message.content, list):
             parts += [(f"messages.{i}.content.{j}", p) for j, p in enumerate(message.content)]
@@ -473,3 +551,10 @@ def _top(entry: dict, k: int) -> list:
 
 def now() -> int:
     return int(time.time())
+
+
+StructuredFields.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatMessage.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+TokenizeRequest.model_rebuild()

@@ -1,0 +1,71 @@
+"""A matcher per sequence, advanced by every token the sequence accepts, and the batch's
+token bitmask: one int32 row of ceil(vocab / 32) words per sampled row, bit ``t % 32`` of
+word ``t // 32`` set when token t may come next.
+
+A row without a grammar gets every bit set (the kernel leaves it as it is). A matcher that
+has accepted its stop token (its grammar is complete and the model said so) has nothing left
+to allow: its row is all ones too — that row's token is thrown away, because its request has
+finished (this happens under asynchronous scheduling, when the next step was computed before
+the host knew that the request ended).
+
+Preemption needs nothing here: this engine recomputes a preempted sequence from its tokens,
+which it keeps, and its matcher has accepted exactly those tokens; ``rebuild`` makes a
+matcher that has from a list of tokens (what a server that lost its matchers would do).
+"""
+import torch
+
+
+class GrammarState:
+    """Where one sequence stands in its grammar."""
+
+    def __init__(self, compiled_grammar):
+        import xgrammar as xgr
+
+        self.compiled = compiled_grammar
+        self.matcher = xgr.GrammarMatcher(compiled_grammar)
+        self.num_accepted = 0
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False (and no change) if the grammar does not allow it."""
+        ok = self.matcher.accept_token(token)
+        self.num_accepted += ok
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
+        if not self.is_terminated:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @classmethod
+    def rebuild(cls, compiled_grammar, token_ids: list[int]) -> "GrammarState":
+        """A matcher that has accepted ``token_ids``; ValueError if the grammar refuses one."""
+        state = cls(compiled_grammar)
+        for i, token in enumerate(token_ids):
+            if not state.accept(token):
+                raise ValueError(f"token {token} (output position {i}) is not allowed by the grammar")
+        return state
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor:
+    """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
+    where a row has no grammar."""
+    bitmask = torch.full((len(states), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.fill(bitmask, row)
+    return bitmask
+
+
+def allowed_count(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    """How many tokens each row allows (for the chapter's figure)."""
+    from minivllm.ops.token_bitmask import unpack_bitmask
+
+    return unpack_bitmask(bitmask, vocab_size).sum(dim=-1).tolist()

@@ -1,0 +1,320 @@
+"""Structured output (chapter 18) on the bundled model, which knows no JSON: only the grammar
+can make its outputs valid. Every mode (JSON schema, any JSON object, regex, choice, EBNF) is
+checked over many seeds by parsing and validating what comes out; then the engine's paths
+under constraints: batching beside unconstrained requests, chunked prefill, preemption,
+n > 1, stop strings, max_tokens, streaming, and the asynchronous scheduler (greedy outputs
+identical with it on and off). Bad specs are refused with the problem named.
+"""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.ops.token_bitmask import apply_token_bitmask_reference, unpack_bitmask
+from minivllm.sampling_params import InvalidParameter
+from minivllm.structured import StructuredOutputsParams
+from minivllm.structured.matcher import GrammarState, fill_bitmask
+from minivllm.structured.trie import ChoiceConstraint, vocab_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+# On the CPU a row's logits do not depend on the rest of its batch, so outputs can be compared
+# token for token across batch compositions; on a GPU (bfloat16, kernels tiled by batch size)
+# the last bits may, and a greedy tie can go either way: there, outputs are checked for validity.
+BATCH_INVARIANT = not torch.cuda.is_available()
+
+# Every value bounded, so that a complete object fits in max_tokens whatever the model does.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "member": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                    "required": ["city"]},
+    },
+    "required": ["name", "age", "member", "color", "tags", "address"],
+}
+PROMPTS = ["The old man said", "Once upon a time", "It was the best of times", "Call me Ishmael."]
+SEEDS = range(12)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(async_scheduling=False)
+
+
+def run(llm, structured, n_seeds=len(SEEDS), max_tokens=160, **kwargs):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured_outputs=structured, **kwargs)
+              for s in range(n_seeds)]
+    prompts = [PROMPTS[s % len(PROMPTS)] for s in range(n_seeds)]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_json_schema_outputs_validate(llm):
+    outs = run(llm, StructuredOutputsParams(json=PERSON))
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+        # Compact: outside its strings, the only whitespace is the one space after "," and ":".
+        skeleton = re.sub(r'"(?:[^"\\]|\\.)*"', '""', out.text)
+        assert not re.search(r"\s", skeleton.replace(", ", ",").replace(": ", ":")), out.text
+    # And the model on its own writes no JSON at all.
+    plain = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=0, max_tokens=40), use_tqdm=False)
+    assert not any(o.outputs[0].text.lstrip().startswith("{") for o in plain)
+
+
+def test_json_schema_as_dict_or_text_compiles_once(llm):
+    compiler = llm.engine.grammar_compiler()
+    misses = compiler.misses
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for spec in (schema, json.dumps(schema)):
+        for out in run(llm, StructuredOutputsParams(json=spec), n_seeds=3):
+            assert json.loads(out.text).keys() == {"ok"}
+    assert compiler.misses == misses + 1  # the dict and its text are one spec: compiled once
+
+
+def test_json_object(llm):
+    outs = run(llm, StructuredOutputsParams(json_object=True), max_tokens=48)
+    for out in outs:
+        assert out.text.startswith("{")
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+        else:  # a free-form object may go on past max_tokens: reported as length
+            assert out.finish_reason == "length" and len(out.token_ids) == 48
+
+
+def test_regex(llm):
+    pattern = r"[A-Z][a-z]{2,6}-[0-9]{2,3}( (yes|no))?"
+    for out in run(llm, StructuredOutputsParams(regex=pattern)):
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(pattern, out.text), out.text
+
+
+def test_choice(llm):
+    choices = ["positive", "negative", 'a "quoted" one', "naïve café"]
+    texts = {out.text for out in run(llm, StructuredOutputsParams(choice=choices), n_seeds=24)}
+    assert texts <= set(choices) and len(texts) >= 2
+
+
+def test_ebnf_grammar(llm):
+    grammar = 'root ::= "(" item (" " item){0,3} ")"\nitem ::= [a-z]{1,5} | [0-9]{1,2}'
+    for out in run(llm, StructuredOutputsParams(grammar=grammar)):
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(r"\((?:[a-z]{1,5}|[0-9]{1,2})(?: (?:[a-z]{1,5}|[0-9]{1,2})){0,3}\)", out.text), out.text
+
+
+def test_greedy_too(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=160,
+                                                  structured_outputs=StructuredOutputsParams(json=PERSON)),
+                       use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_max_tokens_is_respected_and_reported_as_length(llm):
+    for out in run(llm, StructuredOutputsParams(json=PERSON), n_seeds=4, max_tokens=5):
+        assert out.finish_reason == "length" and len(out.token_ids) == 5
+        assert '{"name": "'.startswith(out.text) or out.text.startswith('{"name": "')
+
+
+def test_stop_string_ends_a_constrained_output(llm):
+    for out in run(llm, StructuredOutputsParams(json=PERSON), n_seeds=4, stop=['"age"']):
+        assert out.finish_reason == "stop" and out.stop_reason == '"age"'
+        assert out.text.startswith('{"name": "') and '"age"' not in out.text
+
+
+def test_constrained_beside_unconstrained_requests(llm):
+    """One batch: the mask applies to its own rows only; the others come out as they would alone."""
+    plain = SamplingParams(temperature=0, max_tokens=30)
+    alone = llm.generate(PROMPTS, plain, use_tqdm=False)
+    constrained = SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=PERSON))
+    mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained] * 4, use_tqdm=False)
+    if BATCH_INVARIANT:
+        assert [o.outputs[0].token_ids for o in mixed[:4]] == [o.outputs[0].token_ids for o in alone]
+    assert all(len(o.outputs[0].token_ids) == 30 or o.outputs[0].finish_reason == "stop" for o in mixed[:4])
+    for o in mixed[4:]:
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+def test_n_completions_each_follow_the_grammar(llm):
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=160,
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    [out] = llm.generate(PROMPTS[1], params, use_tqdm=False)
+    assert len(out.outputs) == 4
+    texts = [c.text for c in out.outputs]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1  # four walks through the grammar, not one copied
+
+
+def greedy_structured_workload():
+    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{2,5}){1,4}"),
+             StructuredOutputsParams(choice=["alpha", "beta", "gamma delta"]), None,
+             StructuredOutputsParams(grammar='root ::= "<" [a-z ]{4,30} ">"'), StructuredOutputsParams(json_object=True)]
+    prompts = [f"{PROMPTS[i % 4]} {'and so on ' * (i % 5)}" for i in range(18)]
+    params = [SamplingParams(temperature=0, max_tokens=120 if i % 6 != 5 else 40, structured_outputs=specs[i % 6])
+              for i in range(18)]
+    return prompts, params
+
+
+def token_ids(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+
+def test_async_scheduling_gives_the_same_greedy_outputs():
+    """The asynchronous engine samples a constrained step only once the step before it is
+    processed (its forward pass goes ahead): the outputs are the synchronous loop's."""
+    prompts, params = greedy_structured_workload()
+    sync = LLM(async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    asynchronous = LLM(async_scheduling=True)
+    deferred = []
+    original = asynchronous.engine._sample_deferred
+    asynchronous.engine._sample_deferred = lambda step: (deferred.append(len(step.requests)), original(step))
+    outs = asynchronous.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(sync)
+    assert len(deferred) > 10  # the deferred path ran
+    check_valid(outs, params)
+
+
+def check_valid(outputs, params) -> None:
+    """Each finished output of greedy_structured_workload follows its spec."""
+    for o, p in zip(outputs, params):
+        so, out = p.structured_outputs, o.outputs[0]
+        if so is None or out.finish_reason != "stop":
+            continue
+        if so.json is not None:
+            jsonschema.validate(json.loads(out.text), PERSON)
+        elif so.regex is not None:
+            assert re.fullmatch(so.regex, out.text), out.text
+        elif so.choice is not None:
+            assert out.text in so.choice
+        elif so.grammar is not None:
+            assert re.fullmatch(r"<[a-z ]{4,30}>", out.text), out.text
+        else:
+            assert isinstance(json.loads(out.text), dict)
+
+
+def test_preemption_and_chunked_prefill_under_constraints():
+    """A KV pool too small for the batch (sequences are preempted and recomputed) and a token
+    budget smaller than the prompts (chunked prefill): the same greedy outputs, still valid."""
+    prompts, params = greedy_structured_workload()
+    reference = LLM(async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    for async_scheduling in (False, True):
+        llm = LLM(async_scheduling=async_scheduling, num_kv_blocks=24, block_size=16, max_num_batched_tokens=24,
+                  record_trace=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert sum(len(r.preempted) for r in llm.engine.trace) > 0
+        if BATCH_INVARIANT:
+            assert token_ids(outs) == token_ids(reference)
+        check_valid(outs, params)
+
+
+def test_streaming_a_constrained_output(llm):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=160, structured_outputs=StructuredOutputsParams(json=PERSON))
+    pieces = list(llm.stream(PROMPTS[2], params))
+    assert len(pieces) > 5
+    jsonschema.validate(json.loads("".join(pieces)), PERSON)
+
+
+# -- bad specs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,expected", [
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(json={"type": "strin"}), 'Unsupported type "strin"'),
+    (dict(json={"type": "array", "uniqueItems": True}), "unsupported JSON schema feature: the keyword 'uniqueItems'"),
+    (dict(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "at #/properties/a/not"),
+    (dict(json={"$ref": "https://example.com/s.json"}), "a $ref outside the schema"),
+    (dict(regex="(ab"), "invalid regular expression: Regex parsing error"),
+    (dict(grammar='root ::= "a" |'), "invalid EBNF grammar"),
+    (dict(grammar='start ::= "a"'), 'root rule with name "root" is not found'),
+])
+def test_invalid_specs_are_refused_by_name(llm, spec, expected):
+    with pytest.raises(InvalidParameter, match=re.escape(expected)) as e:
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
+    assert e.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+    # The engine is untouched: the next request runs.
+    assert llm.generate("x", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_bad_spec_in_a_batch_queues_nothing(llm):
+    good = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    bad = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[a-"))
+    with pytest.raises(InvalidParameter):
+        llm.generate(["a", "b"], [good, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fields,expected", [
+    (dict(), "give exactly one of json, regex, choice, grammar, json_object (got none)"),
+    (dict(json={}, regex="a"), "(got json, regex)"),
+    (dict(choice=[]), "choice must be a list of 1 to"),
+    (dict(choice=["a", ""]), "non-empty strings"),
+    (dict(regex=3), "regex must be a non-empty string"),
+    (dict(json="x" * 70000), "at most 65536 characters"),
+])
+def test_params_are_checked(fields, expected):
+    with pytest.raises(InvalidParameter, match=re.escape(expected)):
+        StructuredOutputsParams(**fields)
+
+
+def test_sampling_params_take_a_dict_and_refuse_what_cannot_work():
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert isinstance(params.structured_outputs, StructuredOutputsParams)
+    with pytest.raises(InvalidParameter, match="fields of StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"guided_json": {}})
+    with pytest.raises(InvalidParameter, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+    with pytest.raises(InvalidParameter, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a"})
+
+
+# -- masks -------------------------------------------------------------------------------
+
+
+def test_bitmask_reference_on_random_inputs():
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 31), (3, 32), (5, 1000), (4, 8192)]:
+        bitmask = torch.randint(-2**31, 2**31, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+        logits = torch.randn(rows, vocab, generator=g)
+        expected = logits.clone()
+        for r in range(rows):  # bit by bit, the slow way
+            for t in range(vocab):
+                if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                    expected[r, t] = float("-inf")
+        out = apply_token_bitmask_reference(logits.clone(), bitmask)
+        assert torch.equal(out, expected)
+
+
+def test_matcher_masks_match_the_trie_constraint(llm):
+    """The by-hand choice constraint over a token trie allows exactly the tokens xgrammar's
+    matcher allows, at every step of a real walk."""
+    tokenizer, vocab = llm.get_tokenizer(), llm.engine.runner.model_config.vocab_size
+    choices = ["the cat", "the dog", "a bird", "then"]
+    by_hand = ChoiceConstraint(choices, vocab_bytes(tokenizer, vocab), stop_token_id=0)
+    state = GrammarState(llm.engine.grammar_compiler().compile(StructuredOutputsParams(choice=choices)))
+    generated = b""
+    for token in tokenizer.encode("the dog", add_special_tokens=False) + [0]:
+        xgr_allowed = unpack_bitmask(fill_bitmask([state], vocab), vocab)[0]
+        assert torch.equal(xgr_allowed, by_hand.mask(generated))
+        assert state.accept(token)
+        generated += bytes(vocab_bytes(tokenizer, vocab)[token])
+    assert state.is_terminated
+
+
+def test_rebuilt_matcher_allows_what_the_live_one_does(llm):
+    out = run(llm, StructuredOutputsParams(json=PERSON), n_seeds=1, max_tokens=20)[0]
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(json=PERSON))
+    live = GrammarState(compiled)
+    for t in out.token_ids:
+        assert live.accept(t)
+    rebuilt = GrammarState.rebuild(compiled, out.token_ids)
+    vocab = llm.engine.runner.model_config.vocab_size
+    assert torch.equal(fill_bitmask([live], vocab), fill_bitmask([rebuilt], vocab))
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        GrammarState.rebuild(compiled, [out.token_ids[0], out.token_ids[0]])  # "{{" is no JSON
