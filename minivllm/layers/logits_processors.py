@@ -88,15 +88,21 @@ def bad_words_mask(logits: torch.Tensor, tail: torch.Tensor, pair_row: torch.Ten
     return logits.index_put((pair_row, pair_last), ban, accumulate=True)
 
 
+def needs_processing(params: list[SamplingParams], history: TokenHistory | None) -> bool:
+    """Does any row ask for what process_logits applies?"""
+    return (any(p.allowed_token_ids or p.logit_bias for p in params)
+            or (history is not None and (any(p.uses_penalties for p in params) or any(history.bad_words))))
+
+
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory | None) -> torch.Tensor:
     """Apply, in vLLM's order, allowed_token_ids, bad_words, logit_bias and the penalties."""
     rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
+    if not needs_processing(params, history):
+        return logits
     use_allowed = any(p.allowed_token_ids for p in params)
     use_bias = any(p.logit_bias for p in params)
     use_penalties = history is not None and any(p.uses_penalties for p in params)
     use_bad = history is not None and any(history.bad_words)
-    if not (use_allowed or use_bias or use_penalties or use_bad):
-        return logits
     ints: dict[str, np.ndarray] = {}
     floats: dict[str, np.ndarray] = {}
     if use_allowed:

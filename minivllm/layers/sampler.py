@@ -5,7 +5,8 @@ Each row of the batch has its own parameters. Filters set the logits of excluded
 to -inf; the draw itself uses the Gumbel-max trick in its exponential form:
 argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, needs no cumulative sum
 and no host sync, and with a per-request generator gives the same draw whatever else is in
-the batch.
+the batch. On the GPU, a batch that asks for nothing but temperatures and greedy rows takes
+the trick's other form in one kernel: argmax(logits / T + Gumbel noise) (``ops.sampling``).
 """
 import logging
 import sys
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.layers.logits_processors import TokenHistory, process_logits
+from minivllm.layers.logits_processors import TokenHistory, needs_processing, process_logits
+from minivllm.ops.dispatch import use_triton
+from minivllm.ops.sampling import gumbel_argmax
 from minivllm.ops.token_bitmask import apply_token_bitmask
 from minivllm.sampling_params import SamplingParams
 
@@ -175,7 +178,31 @@ class Sampler:
             out.errors[row] = f"sampling failed: {type(e).__name__}"
         return SampledTokens.on_host(out, logits.device)
 
+    @staticmethod
+    def _only_temperature(params, banned, history, bitmask) -> bool:
+        """Does every row just take the argmax or draw with a temperature (no top-k, top-p
+        or min-p, no logprobs, no bans, masks, biases or penalties)?"""
+        return (bitmask is None and not (banned and any(banned)) and not needs_processing(params, history)
+                and all(p.logprobs is None and not p.top_k and p.top_p >= 1 and p.min_p <= 0 for p in params))
+
+    def _draw(self, logits, params, generators) -> SampledTokens:
+        """The GPU's path for plain temperature sampling and greedy rows: one pass over the
+        logits (ops.sampling.gumbel_argmax) instead of a float32 copy, a softmax, a tensor
+        of noise and two argmaxes. A seeded row's noise seed comes from its own generator,
+        so its tokens do not depend on its neighbours in the batch."""
+        device = logits.device
+        greedy, temperature = rows_to_device([[float(p.greedy) for p in params],
+                                              [1.0 if p.greedy else p.temperature for p in params]],
+                                             torch.float32, device)
+        seeds = torch.randint(0, 2**62, (len(params),), device=device)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                seeds[row] = torch.randint(0, 2**62, (1,), generator=gen, device=device)
+        return SampledTokens(gumbel_argmax(logits, temperature, greedy, seeds), None, [None] * len(params))
+
     def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
+        if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
+            return self._draw(logits, params, generators)
         logits = logits.float()
         device, vocab = logits.device, logits.shape[-1]
         ks = [p.logprobs for p in params]
