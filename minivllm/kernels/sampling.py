@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["vocab"])
+# The per-row settings are rows of one small tensor (sampler.rows_to_device), whose offsets
+# move with the batch size: no alignment specialisation for them (kernels.common).
+@triton.jit(do_not_specialize=["vocab"], do_not_specialize_on_alignment=["temperature_ptr", "greedy_ptr"])
 def _gumbel_argmax_kernel(
     logits_ptr,  # [rows, vocab], any float dtype
     temperature_ptr,  # [rows] float32 (read for the rows that sample)
