@@ -207,6 +207,35 @@ def test_one_message_per_step_and_bytes_that_grow_with_the_tokens(core):
     wait_until_idle(core)
 
 
+def test_what_the_socket_cannot_take_waits_and_goes_in_order(core, offline):
+    """With the core stopped (SIGSTOP), adds fill the socket and the rest waits in the
+    client, without blocking the event loop; once the core runs again, every request is
+    served, and served right."""
+    prompts = [[3 + i % 500] * 450 for i in range(300)]  # about 300 KiB of adds: more than the socket holds
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run():
+        os.kill(core.process.pid, signal.SIGSTOP)
+        try:
+            tasks = [asyncio.ensure_future(every_output(core, [(p, None, params)])) for p in prompts]
+            start = time.perf_counter()
+            while not core._unsent:
+                await asyncio.sleep(0.01)
+                assert time.perf_counter() - start < 10, "the socket took every add: nothing waited"
+            await asyncio.sleep(0.2)
+            assert core._unsent and not any(t.done() for t in tasks)
+        finally:
+            os.kill(core.process.pid, signal.SIGCONT)
+        return await asyncio.gather(*tasks)
+
+    got = asyncio.run(run())
+    assert not core._unsent
+    want = greedy(offline, prompts[:20], max_tokens=2, ignore_eos=True)
+    assert [g[0][-1].outputs[0].token_ids for g in got[:20]] == [w.outputs[0].token_ids for w in want]
+    assert all(g[0][-1].finished for g in got)
+    wait_until_idle(core)
+
+
 def test_a_bad_request_is_refused_here_with_the_engines_own_checks(core):
     with pytest.raises(ValueError, match="prompt"):
         core.validate([5, 10**6])
@@ -261,6 +290,26 @@ def test_clients_that_hang_up_free_their_blocks_in_the_core(server):
     assert max(in_use) > 0, "the streams held no blocks: nothing was tested"
     wait_until_idle(client)
     assert client.num_aborted - aborted_before == 10, "each client that left must abort its own request"
+
+    # A non-streaming client that gives up (its read times out) is noticed too. The core is
+    # stopped meanwhile (SIGSTOP), so however fast this CPU is, the request cannot finish
+    # before its client is gone; the add and the abort wait in the socket, in order.
+    os.kill(client.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "prompt": PROMPTS[0]},
+                       headers=AUTH, timeout=0.3)
+        deadline = time.monotonic() + 20
+        while client._queues and time.monotonic() < deadline:  # until the server has seen it leave
+            time.sleep(0.02)
+        assert not client._queues
+    finally:
+        os.kill(client.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while client.num_aborted - aborted_before < 11 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    wait_until_idle(client)
+    assert client.num_aborted - aborted_before == 11
 
 
 def test_a_request_the_engine_fails_fails_alone(server, monkeypatch):
@@ -475,17 +524,20 @@ def test_the_default_is_a_process_on_a_gpu_and_a_thread_on_a_cpu():
 
 @pytest.mark.gpu
 def test_gpu_the_core_in_a_process_gives_the_offline_greedy_tokens(checkpoint):
-    """On CUDA (async scheduling on, CUDA graphs): the served tokens are the offline ones."""
+    """On CUDA (async scheduling and CUDA graphs on), in float32, whose true float32 dot
+    products make greedy tokens independent of which requests share a step: the tokens
+    served through the core's process are the offline engine's."""
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(4, 40))] for _ in range(32)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(str(checkpoint), device="cuda", **ENGINE)
+    llm = LLM(str(checkpoint), device="cuda", dtype="float32", **ENGINE)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
-    client = EngineCoreClient(str(checkpoint), device="cuda", **ENGINE)
+    client = EngineCoreClient(str(checkpoint), device="cuda", dtype="float32", **ENGINE)
     try:
+        assert client.config.async_scheduling and client.config.device.startswith("cuda")
         got = asyncio.run(every_output(client, [(p, None, params) for p in prompts]))
     finally:
         client.close()
