@@ -79,6 +79,21 @@ def server_config(args):
     return config
 
 
+def uses_engine_process(args) -> bool:
+    """``--engine-process``, or its default: on for a GPU, where the device would wait while
+    the engine's host work and HTTP take turns on one interpreter lock; off on a CPU, where
+    the forward pass runs on the host's cores and is most of the time per token (HTTP is
+    about 7% of the bundled model's CPU time per token), a second busy process
+    takes cores from the model's threads, and one process starts faster and is simpler to
+    debug."""
+    if args.engine_process is not None:
+        return args.engine_process
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device.startswith("cuda")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "--host is loopback, else any)")
     serve.add_argument("--allowed-origins", default=None,
                        help="comma-separated origins whose web pages may call the API (CORS; default: none)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine core in a process of its own, beside the HTTP server's (default: on for "
+                            "a GPU, off on a CPU)")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
@@ -138,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--api-key", default=None, help="serving with --base-url: the server's key")
     bench.add_argument("--vocab", type=int, default=1000,
                        help="serving with --base-url: prompts are token ids below this (default 1000)")
+    bench.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="serving: the server's engine core in a process of its own, or not (default: as "
+                            "'minivllm serve' decides)")
     return parser
 
 
@@ -179,11 +200,16 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
         try:
-            llm = LLM(args.model, **engine_args(args))
+            if uses_engine_process(args):
+                from minivllm.server.engine_client import EngineCoreClient
+
+                engine = EngineCoreClient(args.model, **engine_args(args))
+            else:
+                engine = AsyncLLMEngine(LLM(args.model, **engine_args(args)).engine)
         except ValueError as e:  # a flag EngineConfig refuses (--max-num-seqs 0), a model past its limits
             parser.error(str(e))
         name = args.served_model_name or (args.model or "bundled")
-        sys.exit(run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, config))
+        sys.exit(run_server(engine, name, args.host, args.port, config))
     elif args.command == "bench":
         if args.which == "throughput":
             from minivllm.bench.throughput import main as run
@@ -211,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                 options["num_requests"] = args.num_requests
             if args.base_url:
                 options.update(base_url=args.base_url, api_key=args.api_key, vocab=args.vocab)
+            if args.engine_process is not None:
+                options["engine_process"] = args.engine_process
             report = run(args.out, **options)
         elif args.which == "tp":
             from minivllm.bench.tensor_parallel import main as run

@@ -289,6 +289,22 @@ class ServeProcess:
         self.log_file.seek(0)
         return self.log_file.read()
 
+    def engine_core_pid(self, timeout: float = 10.0) -> int | None:
+        """The engine core's process (``--engine-process``), found among this process's
+        children by its command line (the other child is multiprocessing's resource
+        tracker); None if there is none after ``timeout`` seconds."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            pid = self.proc.pid
+            for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return int(child)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
     def memory_mb(self, field: str = "VmHWM") -> float:
         """The process's resident memory from /proc (VmHWM: its peak so far; VmRSS: now), in MB."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -306,3 +322,11 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system, every thread) a process has used so far, from /proc."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -15,7 +15,9 @@ rate (exponential gaps, seeded; ``inf`` sends all at once), each a streaming
 ``max_tokens``, so every request produces exactly its planned tokens. Every SSE chunk
 carries the tokens of one engine step for that request, which for a decode is one token.
 The server runs as ``minivllm serve`` in its own process (the client does not share its
-interpreter), on the same workload that is also run offline for comparison.
+interpreter), on the same workload that is also run offline for comparison; its engine core
+in a process of its own or in a thread of the server's (``engine_process``; by default as
+``minivllm serve`` decides: a process on a GPU).
 """
 import asyncio
 import gc
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.testing import ServeProcess
+from minivllm.testing import ServeProcess, cpu_seconds
 
 
 @dataclass
@@ -219,7 +221,7 @@ def run_against(base_url: str, api_key: str | None, out_dir: str, rates: list[fl
 
 def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[float] | None = None,
          num_requests: int | None = None, seed: int = 0, base_url: str | None = None,
-         api_key: str | None = None, vocab: int = 1000) -> dict:
+         api_key: str | None = None, vocab: int = 1000, engine_process: bool | None = None) -> dict:
     if base_url is not None:
         return run_against(base_url, api_key, out_dir, rates, num_requests, seed, vocab)
     from minivllm.bench.throughput import make_workload, model_checkpoint
@@ -248,18 +250,30 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
 
     name = "bench"
     args = ["--model", str(path), "--served-model-name", name, *(f"--{k.replace('_', '-')}={v}" for k, v in llm_args.items())]
+    if engine_process is not None:  # else serve's default: the core in its own process on a GPU only
+        args.append("--engine-process" if engine_process else "--no-engine-process")
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     with ServeProcess(args, env=env, startup_s=900) as server:
         url = server.url
         # Warm-up at the workload's prompt lengths (kernel specialisations compile here).
         warm = [p[::-1] for p in prompts[:16]]
         asyncio.run(run_load(url, name, warm, [4] * len(warm), math.inf, seed))
+        # Which process is the bottleneck: the share of the run each kept a core busy (HTTP
+        # in the server's; the engine in its core's, or in the server's with no core process).
+        processes = {"server": server.proc.pid}
+        core = server.engine_core_pid(timeout=0)
+        if core is not None:
+            processes["engine_core"] = core
         runs = []
         for rate in rates:
+            before = {k: cpu_seconds(pid) for k, pid in processes.items()}
             results, seconds = asyncio.run(run_load(url, name, prompts, output_lens, rate, seed))
             runs.append(summarize(results, seconds, rate))
+            runs[-1]["cpu_busy"] = {k: (cpu_seconds(pid) - before[k]) / seconds for k, pid in processes.items()}
+            busy = ", ".join(f"{k} {v:.0%}" for k, v in runs[-1]["cpu_busy"].items())
             print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
-                  f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors", flush=True)
+                  f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors; "
+                  f"CPU busy: {busy}", flush=True)
     device = torch.cuda.get_device_name() if cuda else "CPU"
     report = {
         "device": device,
@@ -268,6 +282,7 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
                      "temperature": 0, "ignore_eos": True, "arrivals": "Poisson", "seed": seed,
                      "total_output_tokens": sum(output_lens)},
         "engine": llm_args,
+        "engine_process": "engine_core" in processes,  # the engine core in a process of its own
         "offline": offline,
         "online": runs,
         "torch": torch.__version__,

@@ -77,6 +77,8 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 model_config.vocab_size)
+        self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
+                                    config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots))
         self.requests: dict[str, RequestState] = {}
         self.trace: list[StepRecord] = []
         self.num_steps = 0
@@ -129,48 +131,12 @@ class LLMEngine:
         return first.request_id
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        vocab = self.runner.model_config.vocab_size
-        if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if len(token_ids) >= self.max_model_len:  # first: it is O(1), the check below is not
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; this engine allows at most {self.max_model_len - 1} "
-                f"(max_model_len={self.max_model_len}, limited by the model and by a KV pool of "
-                f"{self.runner.num_kv_blocks} blocks x {self.config.block_size} tokens)"
-            )
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        self.limits.check_prompt(token_ids)
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (InvalidParameter for a sampling field) for a request this engine
         would refuse. Reads only fixed sizes, so it is safe beside a running step."""
-        self.validate_prompt(token_ids)
-        vocab = self.runner.model_config.vocab_size
-        banned = self.output_processor.banned_ids(params)
-        if len(banned) == vocab:
-            raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
-                                   "vocabulary: nothing could be sampled", "stop_token_ids")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidParameter(f"SamplingParams.n={params.n} is invalid: the n completions run together, so at "
-                                   f"most max_num_seqs ({self.config.max_num_seqs})", "n")
-        if params.n > 1 and self.runner.num_state_slots:
-            raise InvalidParameter("SamplingParams.n > 1 is not supported for hybrid models: their completions "
-                                   "would have to fork the recurrent state too", "n")
-        # Token ids the sampler indexes the logits with must be in the vocabulary.
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidParameter(f"SamplingParams.logit_bias has token id {max(params.logit_bias)}: "
-                                   f"must be in [0, {vocab})", "logit_bias")
-        if params.allowed_token_ids is not None:
-            if max(params.allowed_token_ids) >= vocab:
-                raise InvalidParameter(f"SamplingParams.allowed_token_ids has token id "
-                                       f"{max(params.allowed_token_ids)}: must be in [0, {vocab})", "allowed_token_ids")
-            if not set(params.allowed_token_ids) - set(banned):
-                raise InvalidParameter("SamplingParams.allowed_token_ids are all stop or EOS ids banned before "
-                                       "min_tokens: nothing could be sampled", "allowed_token_ids")
-        bad = [t for ids in self.output_processor.bad_word_ids(params) for t in ids if t >= vocab]
-        if bad:
-            raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
-                                   f"model's vocabulary [0, {vocab})", "bad_words")
+        self.limits.check_request(token_ids, params, self.output_processor)
         self.validate_structured(params)
 
     def validate_structured(self, params: SamplingParams) -> None:
@@ -183,13 +149,10 @@ class LLMEngine:
     def grammar_compiler(self):
         """The engine's grammar compiler (chapter 18), made when the first request needs it."""
         if self._grammars is None:
-            if self.tokenizer is None:
-                raise InvalidParameter("SamplingParams.structured_outputs needs a tokenizer: the grammar speaks of "
-                                       "text, and this model ships none", "structured_outputs")
-            from minivllm.structured.compiler import GrammarCompiler
+            from minivllm.structured.compiler import grammar_compiler_for
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
-                                             sorted(self.eos_token_ids))
+            self._grammars = grammar_compiler_for(self.tokenizer, self.runner.model_config.vocab_size,
+                                                  self.eos_token_ids)
         return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
@@ -440,6 +403,65 @@ class LLMEngine:
         request.error = error
         if not request.seq.is_finished:
             self.scheduler.finish(request.seq, "error")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The fixed sizes a request is checked against. They are known once the KV pool is
+    sized and never change, so a server whose engine runs in another process
+    (``minivllm.server.engine_core``) keeps a copy and checks each request with this same
+    code before sending it."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    hybrid: bool  # a recurrent state slot per sequence (Gated DeltaNet layers)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        vocab = self.vocab_size
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if len(token_ids) >= self.max_model_len:  # first: it is O(1), the check below is not
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; this engine allows at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len}, limited by the model and by a KV pool of "
+                f"{self.num_kv_blocks} blocks x {self.block_size} tokens)"
+            )
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+
+    def check_request(self, token_ids: list[int], params: SamplingParams, outputs: OutputProcessor) -> None:
+        """Raise ValueError (InvalidParameter for a sampling field) for a request the engine
+        would refuse."""
+        self.check_prompt(token_ids)
+        vocab = self.vocab_size
+        banned = outputs.banned_ids(params)
+        if len(banned) == vocab:
+            raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
+                                   "vocabulary: nothing could be sampled", "stop_token_ids")
+        if params.n > self.max_num_seqs:
+            raise InvalidParameter(f"SamplingParams.n={params.n} is invalid: the n completions run together, so at "
+                                   f"most max_num_seqs ({self.max_num_seqs})", "n")
+        if params.n > 1 and self.hybrid:
+            raise InvalidParameter("SamplingParams.n > 1 is not supported for hybrid models: their completions "
+                                   "would have to fork the recurrent state too", "n")
+        # Token ids the sampler indexes the logits with must be in the vocabulary.
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameter(f"SamplingParams.logit_bias has token id {max(params.logit_bias)}: "
+                                   f"must be in [0, {vocab})", "logit_bias")
+        if params.allowed_token_ids is not None:
+            if max(params.allowed_token_ids) >= vocab:
+                raise InvalidParameter(f"SamplingParams.allowed_token_ids has token id "
+                                       f"{max(params.allowed_token_ids)}: must be in [0, {vocab})", "allowed_token_ids")
+            if not set(params.allowed_token_ids) - set(banned):
+                raise InvalidParameter("SamplingParams.allowed_token_ids are all stop or EOS ids banned before "
+                                       "min_tokens: nothing could be sampled", "allowed_token_ids")
+        bad = [t for ids in outputs.bad_word_ids(params) for t in ids if t >= vocab]
+        if bad:
+            raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
+                                   f"model's vocabulary [0, {vocab})", "bad_words")
 
 
 @dataclass

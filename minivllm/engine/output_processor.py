@@ -198,20 +198,25 @@ class OutputProcessor:
             error=next((r.error for r in request.group if r.error is not None), None),
         )
 
-    def _completion(self, request: RequestState) -> CompletionOutput:
+    def shown_text_len(self, request: RequestState) -> int:
+        """How much of the request's text an output shows now. It only grows, so a stream
+        can send what is new since its last output."""
         seq = request.seq
-        text = request.text
         keeps_stop = seq.sampling_params.include_stop_str_in_output
         if request.stop_strings is not None and not seq.is_finished and not keeps_stop:
             # The end of the text may be the start of a stop string that later tokens
             # complete, and then it is cut off: hold it back until that is ruled out, so a
             # stream never sends text it would have to take back. (A stop string kept in
             # the output cuts nothing that was sent: it ends after the text before it.)
-            text = text[: max(0, len(text) - request.stop_strings.hold_back)]
+            return max(0, len(request.text) - request.stop_strings.hold_back)
+        return len(request.text)
+
+    def _completion(self, request: RequestState) -> CompletionOutput:
+        seq = request.seq
         want_logprobs = seq.sampling_params.logprobs is not None
         return CompletionOutput(
             index=seq.index,
-            text=text,
+            text=request.text[: self.shown_text_len(request)],
             token_ids=seq.output_token_ids,  # a slice: already a copy
             cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             logprobs=list(request.logprobs) if want_logprobs else None,

@@ -9,10 +9,10 @@ Two kinds of figure, measured in two places:
 - **per request** (counters and histograms): every request's outputs go through
   ``observe``, which sees each output as the client does, so time to first token and the
   time between tokens are what a client waits, queueing included;
-- **the engine's state** (gauges): read when scraped, from the scheduler's queues and the
-  block manager's free list. Those belong to the engine thread; reading a length or a
-  count from the event loop while a step runs is safe (one attribute read under the GIL)
-  and at worst one step stale, which is all a gauge promises.
+- **the engine's state** (gauges): read when scraped (``engine.state()``): the scheduler's
+  queues and the block manager's free list, read directly from an engine in this process,
+  and as the last step reported them from an engine core in a process of its own. Either
+  way at worst one step stale, which is all a gauge promises.
 
 Each app has a registry of its own (not prometheus_client's global one), so that several
 servers in one process (tests, notebooks) count separately.
@@ -32,7 +32,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):  # or an EngineCoreClient: the same reads
         self.registry = registry = CollectorRegistry()
         label = {"model_name": model_name}
         self.finished = Counter("vllm:request_success", "Requests finished, by why they finished",
@@ -54,15 +54,17 @@ class ServerMetrics:
         self.model_name = model_name
         self.num_cache_queries = self.num_cache_hits = 0  # the counters' totals, for the hit rate
 
-        core = engine.engine  # the LLMEngine: its scheduler and block manager, read when scraped
-
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, ["model_name"], registry=registry).labels(**label).set_function(read)
 
-        gauge("vllm:num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running))
-        gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", lambda: len(core.scheduler.waiting))
-        gauge("vllm:kv_cache_usage_perc", "Share of the KV pool's blocks in use (1 = full)",
-              lambda: 1 - core.block_manager.num_free_blocks / max(core.block_manager.num_blocks, 1))
+        gauge("vllm:num_requests_running", "Requests in the running batch", lambda: engine.state().num_running)
+        gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", lambda: engine.state().num_waiting)
+
+        def kv_cache_usage() -> float:
+            state = engine.state()
+            return 1 - state.num_free_blocks / max(state.num_blocks, 1)
+
+        gauge("vllm:kv_cache_usage_perc", "Share of the KV pool's blocks in use (1 = full)", kv_cache_usage)
         gauge("vllm:prefix_cache_hit_rate", "Share of the prompt tokens looked up that hit, since the start",
               lambda: self.num_cache_hits / max(self.num_cache_queries, 1))
 

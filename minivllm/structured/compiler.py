@@ -91,6 +91,14 @@ DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object", "regex": "re
                "choice": "choice", "grammar": "EBNF grammar"}
 
 
+def grammar_compiler_for(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler:
+    """A compiler for a model's tokenizer; a model without one cannot take a grammar."""
+    if tokenizer is None:
+        raise InvalidParameter("SamplingParams.structured_outputs needs a tokenizer: the grammar speaks of "
+                               "text, and this model ships none", "structured_outputs")
+    return GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose root is exactly one of ``choices``."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)  # JSON escapes are EBNF's

@@ -30,6 +30,7 @@ from minivllm.engine.state_pool import allocate_state_pools, state_layers, state
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
+from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ class ModelRunner:
                   for n in COMPILE_STEP_TOKENS]
         if not self.graphs:
             shapes.append([(1, bs + 1), (1, 2)][: num_seqs])
+        logits = None
         for shape in shapes:
             fields = {name: [] for name in StepInputs.sizes(0, 0, 0, 0) if name != "block_tables"}
             fields["cu_seqlens_q"], tables, next_block = [0], [], 0
@@ -271,7 +273,10 @@ class ModelRunner:
             input_ids, positions = ModelRunner.upload(self, step)
             if self.state_layers:  # slots 0.., starting from zeros
                 self._set_state_slots(np.array([range(len(tables)), [0] * len(tables)], dtype=np.int64))
-            self.execute(input_ids, positions)
+            logits, _ = self.execute(input_ids, positions)
+        if logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
+            rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
+            self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

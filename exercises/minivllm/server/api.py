@@ -131,9 +131,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     config = config or ServerConfig()
     api_key = api_key if api_key is not None else config.api_key
     tokenizer = engine.tokenizer
-    max_model_len = engine.engine.max_model_len
-    vocab_size = engine.engine.runner.model_config.vocab_size
-    engine_config = engine.engine.config
+    max_model_len = engine.max_model_len
+    vocab_size = engine.vocab_size
+    engine_config = engine.config
     # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
     defaults = generation_defaults(engine_config.model, engine_config.generation_config)
     metrics = ServerMetrics(engine, model_name)

@@ -26,12 +26,17 @@ While it runs, the AsyncLLMEngine owns its LLMEngine: nothing else may call it u
 
 Jobs run in the order they are submitted (one worker, one FIFO queue), which is what makes
 "add, then abort" safe even when the abort is submitted before the add has run.
+
+The engine thread shares the interpreter lock with the event loop, so HTTP work and the
+engine's host work take turns. ``minivllm serve`` on a GPU runs the engine in a process of
+its own instead (``minivllm.server.engine_client``), behind the same interface.
 """
 import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +54,17 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (finish_reason "error") and went on with the others."""
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The engine's load, as /metrics reports it."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_aborted: int  # requests aborted before they finished (clients that left)
 
 
 class AsyncLLMEngine:
@@ -74,6 +90,28 @@ class AsyncLLMEngine:
         from minivllm.llm import LLM
 
         return cls(LLM(model, **kwargs).engine)
+
+    # What the server reads of the engine, the same for an engine in another process.
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.limits.vocab_size
+
+    def state(self) -> EngineState:
+        """Read from the event loop while a step may run: each figure is one attribute read
+        (safe under the interpreter lock) and at worst a step stale, which is all a gauge
+        promises."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        return EngineState(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+                           self.num_aborted)
 
     # -- the loop ----------------------------------------------------------------------
 
