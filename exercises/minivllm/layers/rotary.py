@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from minivllm.layers.norm import RMSNorm
 from minivllm.ops.rotary import qk_norm_rope
 
 
@@ -83,8 +84,11 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens]).
 
-        With ``q_norm`` and ``k_norm`` (RMSNorms over head_dim, Qwen3's q/k norm) each head
-        is normalised first: on a GPU the norms and the rotation are one fused kernel.
+        With ``q_norm`` and ``k_norm`` (norms over head_dim) each head is normalised first.
+        RMSNorms (Qwen3's q/k norm) and the rotation are one fused kernel on a GPU; another
+        norm (Gemma's, which scales by 1 + weight) runs on its own before the rotation.
         """
+        if q_norm is not None and not isinstance(q_norm, RMSNorm):
+            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         weights = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache, *weights)
