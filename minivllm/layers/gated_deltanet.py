@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.context import get_context
-from minivllm.layers.linear import Linear, PackedLinear, replicated_shards, default_weight_loader
+from minivllm.layers.linear import Linear, PackedLinear, replicated_shards
 from minivllm.ops.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
 
@@ -67,7 +67,6 @@ class GatedDeltaNet(nn.Module):
         # Stored as [D, 1, K] like nn.Conv1d's weight (so the checkpoint loads as it is).
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel_size))
-        self.conv1d.weight.weight_loader = lambda p, w, shard_id=None: default_weight_loader(p, w)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)

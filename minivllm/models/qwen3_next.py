@@ -32,6 +32,7 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.in_proj.weight.weight_loader = self.load_grouped
+        self.in_proj.weight.shard_ids = ["qkvz", "ba"]
 
     def load_grouped(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         groups, hidden = self.num_k_heads, param.shape[1]
