@@ -51,10 +51,7 @@ class ContiguousKVCache:
 
 @torch.inference_mode()
 def generate(
-    model: nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
+    model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
 ) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids). Returns the new tokens only."""
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -94,14 +94,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
-    ctx: Context,
-    scale: float,
-    sliding_window: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+    ctx: Context, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
     reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
@@ -121,14 +115,8 @@ def varlen_attention(
 
 
 def varlen_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
-    ctx: Context,
-    scale: float,
-    sliding_window: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+    ctx: Context, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The reference: one sequence at a time.
 

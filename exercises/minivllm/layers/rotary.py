@@ -28,10 +28,7 @@ def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
 
 
 def llama3_scale_inv_freq(
-    inv_freq: torch.Tensor,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
     original_max_position_embeddings: int,
 ) -> torch.Tensor:
     """Llama 3's context extension: slow the low-frequency channels down by ``factor``,
@@ -49,12 +46,7 @@ def llama3_scale_inv_freq(
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        rotary_dim: int | None = None,
-        scaling: dict | None = None,
+        self, head_dim: int, max_position: int, base: float, rotary_dim: int | None = None, scaling: dict | None = None
     ):
         super().__init__()
         self.head_dim = head_dim
@@ -62,13 +54,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.rotary_dim, base)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            inv_freq = llama3_scale_inv_freq(
-                inv_freq,
-                scaling["factor"],
-                scaling["low_freq_factor"],
-                scaling["high_freq_factor"],
-                scaling["original_max_position_embeddings"],
-            )
+            inv_freq = llama3_scale_inv_freq(inv_freq, scaling["factor"], scaling["low_freq_factor"],
+                                             scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type != "default":
