@@ -11,6 +11,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (
 # The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
 # command line has no use for (the model is the command's; record_trace is for notebooks).
 NOT_ENGINE_FLAGS = ("model", "record_trace")
+# ``minivllm bench WHICH`` runs the ``main`` of this module of minivllm.bench.
+BENCHMARKS = {"throughput": "throughput", "latency": "latency", "kernels": "kernels", "moe": "moe",
+              "gated-delta": "gated_delta", "serving": "serving", "tp": "tensor_parallel"}
 
 
 def engine_fields():
@@ -85,17 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help=MODEL_HELP)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--seed", type=int, default=None)
-
     chat = sub.add_parser("chat", help="talk to the model in the terminal (multi-turn, streaming)")
-    chat.add_argument("--model", default=None, help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--seed", type=int, default=None)
+    for command, max_tokens, temperature in ((gen, 64, 0.8), (chat, 128, 0.7)):
+        command.add_argument("--model", default=None, help=MODEL_HELP)
+        command.add_argument("--max-tokens", type=int, default=max_tokens)
+        command.add_argument("--temperature", type=float, default=temperature)
+        command.add_argument("--seed", type=int, default=None)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (or --model)")
@@ -126,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
-    bench.add_argument("which", choices=["throughput", "latency", "kernels", "moe", "gated-delta", "serving", "tp"])
+    bench.add_argument("which", choices=list(BENCHMARKS))
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
@@ -185,42 +184,21 @@ def main(argv: list[str] | None = None) -> None:
         name = args.served_model_name or (args.model or "bundled")
         sys.exit(run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, config))
     elif args.command == "bench":
+        import importlib
+
+        options = {}
         if args.which == "throughput":
-            from minivllm.bench.throughput import main as run
-
-            report = run(args.out, with_transformers=not args.no_transformers)
-        elif args.which == "moe":
-            from minivllm.bench.moe import main as run
-
-            report = run(args.out)
-        elif args.which == "latency":
-            from minivllm.bench.latency import main as run
-
-            report = run(args.out)
-        elif args.which == "gated-delta":
-            from minivllm.bench.gated_delta import main as run
-
-            report = run(args.out)
+            options["with_transformers"] = not args.no_transformers
         elif args.which == "serving":
-            from minivllm.bench.serving import main as run
-
-            options = {"model": args.model}
+            options["model"] = args.model
             if args.rates:
                 options["rates"] = [float(r) for r in args.rates.split(",")]
             if args.num_requests:
                 options["num_requests"] = args.num_requests
             if args.base_url:
                 options.update(base_url=args.base_url, api_key=args.api_key, vocab=args.vocab)
-            report = run(args.out, **options)
-        elif args.which == "tp":
-            from minivllm.bench.tensor_parallel import main as run
-
-            report = run(args.out)
-        else:
-            from minivllm.bench.kernels import main as run
-
-            report = run(args.out)
-        print(json.dumps(report, indent=2, default=str))
+        run = importlib.import_module(f"minivllm.bench.{BENCHMARKS[args.which]}").main
+        print(json.dumps(run(args.out, **options), indent=2, default=str))
 
 
 def run_chat(args, input=input, output=sys.stdout) -> None:

@@ -10,12 +10,9 @@ Decode is memory-bound: each step reads and writes every sequence's state once, 
 bandwidth. Prefill is compute-bound at long prompts; its FLOP rate is compared with the bf16
 matmul rate (the kernels multiply in tf32 from float32 tiles, so that ceiling is generous).
 """
-import json
-from pathlib import Path
-
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, time_cuda
+from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda
 from minivllm.context import Context
 from minivllm.ops import gated_delta as ops
 
@@ -89,6 +86,4 @@ def main(out_dir: str = "benchmarks") -> dict:
     for case in decode:
         case["percent_of_copy_bandwidth"] = 100 * case["triton_bytes_per_s"] / bw
     report = {"ceilings": ceilings, "layer": QWEN3_5_LAYER, "chunked_prefill": prefill, "recurrent_decode": decode}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "gated_delta.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "gated_delta.json")

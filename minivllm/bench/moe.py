@@ -14,14 +14,11 @@ bfloat16 (speed does not depend on the weights' values).
 
 Writes ``benchmarks/moe.json``.
 """
-import json
 import os
-from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, time_cuda
-from minivllm.testing import make_tiny_checkpoint
+from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda
 
 QWEN3_30B_A3B_4_LAYERS = dict(  # Qwen3-30B-A3B's shapes, 4 of its 48 layers
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
@@ -85,20 +82,10 @@ def layer_benchmark(ceilings: dict, shapes: dict = QWEN3_30B_A3B_4_LAYERS) -> li
     return cases
 
 
-def model_checkpoint(folder: Path | None = None) -> Path:
-    """A random-weight bf16 checkpoint with the shapes above, written once and reused."""
-    if folder is None:
-        folder = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "qwen3-30b-a3b-4l-random"
-    if not (folder / "config.json").exists():
-        make_tiny_checkpoint(folder, family="qwen3_moe", dtype=torch.bfloat16, init_std=0.02,
-                             **QWEN3_30B_A3B_4_LAYERS)
-    return folder
-
-
 def engine_benchmark(num_requests: int = 128, max_len: int = 512) -> dict:
-    from minivllm.bench.throughput import make_workload, run_minivllm
+    from minivllm.bench.throughput import make_workload, model_checkpoint, run_minivllm
 
-    path = model_checkpoint()
+    path = model_checkpoint("qwen3-30b-a3b-4l-random", QWEN3_30B_A3B_4_LAYERS, family="qwen3_moe")
     prompts, output_lens = make_workload(num_requests, max_len=max_len)
     runs = {}
     for name, backend, eager in (("reference_eager", "reference", True), ("fused_eager", "fused", True),
@@ -128,6 +115,4 @@ def main(out_dir: str = "benchmarks") -> dict:
         "engine": engine_benchmark(),
         "torch": torch.__version__,
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "moe.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "moe.json")
