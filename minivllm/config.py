@@ -253,10 +253,7 @@ class EngineConfig:
             raise ValueError("async_scheduling=True needs tensor_parallel_size=1: under tensor parallelism only "
                              "rank 0 holds the sampled tokens the next step's inputs are made of")
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
-        if self.num_kv_blocks is not None:
-            _positive(self, "num_kv_blocks")
-        if self.max_model_len is not None:
-            _positive(self, "max_model_len")
+        _positive(self, *(n for n in ("num_kv_blocks", "max_model_len") if getattr(self, n) is not None))  # None: default
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.cpu_kv_cache_space <= 0:

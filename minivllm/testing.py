@@ -12,16 +12,8 @@ from pathlib import Path
 
 import torch
 
-TINY_SHAPES = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+TINY_SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -41,22 +33,14 @@ FAMILIES = {
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
 FAMILY_SHAPES = {
-    "gemma3": dict(
-        num_hidden_layers=4,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-    ),
+    "gemma3": dict(num_hidden_layers=4, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    "qwen3_5": dict(
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    ),
+    "qwen3_5": dict(num_hidden_layers=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4),
 }
 FAMILY_SHAPES["qwen3_5_moe"] = dict(
     FAMILY_SHAPES["qwen3_5"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -106,16 +90,9 @@ TOKENIZER_TEXT = (
 
 
 def make_tiny_checkpoint(
-    path: str | Path,
-    family: str = "qwen3",
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    tie_word_embeddings: bool = True,
-    max_shard_size: str | int | None = None,
-    init_std: float = 0.08,
-    with_tokenizer: bool = False,
-    vision_language: bool = False,
-    **overrides,
+    path: str | Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
+    tie_word_embeddings: bool = True, max_shard_size: str | int | None = None, init_std: float = 0.08,
+    with_tokenizer: bool = False, vision_language: bool = False, **overrides,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``path`` and return the path.
 
@@ -246,11 +223,9 @@ class ServeProcess:
 
     def __init__(self, args: list[str] = (), prelude: str = "", env: dict | None = None, cwd: str | None = None,
                  startup_s: float = 180):
-        import socket
+        from minivllm.distributed.processes import free_port
 
-        with socket.socket() as sock:  # a free port (released again: a tiny race, fine for tests)
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()  # released again before the server binds it: a tiny race, fine for tests
         self.argv = ["serve", "--port", str(self.port), *args]
         self.prelude, self.env, self.cwd, self.startup_s = prelude, env, cwd, startup_s
         self.proc = None
