@@ -10,6 +10,8 @@ Decode is memory-bound: each step reads and writes every sequence's state once, 
 bandwidth. Prefill is compute-bound at long prompts; its FLOP rate is compared with the bf16
 matmul rate (the kernels multiply in tf32 from float32 tiles, so that ceiling is generous).
 """
+from unittest import mock
+
 import torch
 
 from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda
@@ -68,12 +70,8 @@ def decode_case(batch: int, hk=16, hv=32, dk=128, dv=128) -> dict:
 
 def _reference(q, k, v, g, beta, states, ctx):
     """The torch path of the same op (the dispatch would pick the kernels on a GPU)."""
-    dispatch = ops.use_triton
-    ops.use_triton = lambda x: False
-    try:
+    with mock.patch.object(ops, "use_triton", lambda x: False):
         return ops.gated_delta_rule_varlen(q, k, v, g, beta, states, ctx)
-    finally:
-        ops.use_triton = dispatch
 
 
 def main(out_dir: str = "benchmarks") -> dict:

@@ -15,6 +15,7 @@ bfloat16 (speed does not depend on the weights' values).
 Writes ``benchmarks/moe.json``.
 """
 import os
+from unittest import mock
 
 import torch
 
@@ -30,16 +31,9 @@ TOKEN_COUNTS = (1, 8, 64, 256, 1024, 4096)
 
 
 def with_backend(backend: str, fn):
-    """Run fn with MINIVLLM_MOE_BACKEND set to ``backend``, restoring it afterwards."""
-    before = os.environ.get("MINIVLLM_MOE_BACKEND")
-    os.environ["MINIVLLM_MOE_BACKEND"] = backend
-    try:
+    """Run fn with MINIVLLM_MOE_BACKEND set to ``backend``; the environment is restored afterwards."""
+    with mock.patch.dict(os.environ, MINIVLLM_MOE_BACKEND=backend):
         return fn()
-    finally:
-        if before is None:
-            del os.environ["MINIVLLM_MOE_BACKEND"]
-        else:
-            os.environ["MINIVLLM_MOE_BACKEND"] = before
 
 
 def layer_case(block, tokens: int, ceilings: dict, shapes: dict) -> dict:

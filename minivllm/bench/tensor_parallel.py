@@ -69,7 +69,7 @@ def forward_profile(path: str, num_tokens: int, repeats: int = 5) -> dict:
     calls: list[tuple[str, tuple, float]] = []
     original = {"all_reduce": dist.all_reduce, "all_gather": dist.all_gather}
 
-    def timed(name):
+    def recorded(name):
         def op(tensor_or_list, *args, **kwargs):
             start = time.perf_counter()
             result = original[name](tensor_or_list, *args, **kwargs)
@@ -81,7 +81,7 @@ def forward_profile(path: str, num_tokens: int, repeats: int = 5) -> dict:
     best = None
     # This process is a throwaway rank (or a notebook's single process): patching the
     # collectives here to time them touches nothing else.
-    dist.all_reduce, dist.all_gather = timed("all_reduce"), timed("all_gather")
+    dist.all_reduce, dist.all_gather = recorded("all_reduce"), recorded("all_gather")
     try:
         with torch.inference_mode():
             for _ in range(repeats):
