@@ -29,18 +29,15 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: type[nn.Module] | None = None, sliding: bool = False):
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.attention_bias,
-        )
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=config.attention_bias)
         # The heads this rank computes: all of them in one process, a share of them under
         # tensor parallelism (chapter 16).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
-        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.o_proj_bias)
         # Normalising each head's query and key keeps attention logits in range.
         qk_norm = qk_norm or (RMSNorm if config.qk_norm else None)
         self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None

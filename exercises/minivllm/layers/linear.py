@@ -189,14 +189,9 @@ class QKVLinear(PackedLinear):
             raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
         q_first, q_count = split_rows(num_heads, rank, world_size)
         kv_first, kv_count = kv_head_range(num_kv_heads, rank, world_size)
-        q_rows = (q_first * head_dim, q_count * head_dim)
-        kv_rows = (kv_first * head_dim, kv_count * head_dim)
-        super().__init__(
-            hidden_size,
-            {"q": (num_heads * head_dim, q_rows), "k": (num_kv_heads * head_dim, kv_rows),
-             "v": (num_kv_heads * head_dim, kv_rows)},
-            bias,
-        )
+        q_rows = (num_heads * head_dim, (q_first * head_dim, q_count * head_dim))
+        kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
+        super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
         self.num_heads, self.num_kv_heads = q_count, kv_count
 
 
