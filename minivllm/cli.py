@@ -1,8 +1,11 @@
 """``minivllm generate | chat | serve | bench``; every command defaults to the bundled model."""
 import argparse
+import dataclasses
+import importlib
 import json
 import logging
 import sys
+import types
 
 MODEL_HELP = "a local folder or hub id (default: the bundled model)"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
@@ -18,8 +21,6 @@ BENCHMARKS = {"throughput": "throughput", "latency": "latency", "kernels": "kern
 
 def engine_fields():
     """EngineConfig's fields, each of which ``add_engine_args`` makes a flag."""
-    import dataclasses
-
     from minivllm.config import EngineConfig
 
     return [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
@@ -36,9 +37,6 @@ def engine_args(args) -> dict:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """A flag for every EngineConfig field (``max_num_seqs`` -> ``--max-num-seqs``; a bool
     gets its ``--no-`` twin), so that a new engine setting is on the command line at once."""
-    import dataclasses
-    import types
-
     group = parser.add_argument_group("engine", "EngineConfig's fields (left out: the engine's default)")
     for f in engine_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -61,7 +59,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
     from minivllm.server.api import ServerConfig
-
     from minivllm.tokenizer import resolve_chat_template
 
     config = ServerConfig(api_key=args.api_key)
@@ -184,8 +181,6 @@ def main(argv: list[str] | None = None) -> None:
         name = args.served_model_name or (args.model or "bundled")
         sys.exit(run_server(AsyncLLMEngine(llm.engine), name, args.host, args.port, config))
     elif args.command == "bench":
-        import importlib
-
         options = {}
         if args.which == "throughput":
             options["with_transformers"] = not args.no_transformers

@@ -7,10 +7,17 @@ vocabulary is exactly the model's 512 tokens), an end-of-text token and a ChatML
 template, so text features (stop strings, streaming, chat) can be tested on tiny models.
 """
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from minivllm.distributed.processes import free_port
 
 TINY_SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -223,8 +230,6 @@ class ServeProcess:
 
     def __init__(self, args: list[str] = (), prelude: str = "", env: dict | None = None, cwd: str | None = None,
                  startup_s: float = 180):
-        from minivllm.distributed.processes import free_port
-
         self.port = free_port()  # released again before the server binds it: a tiny race, fine for tests
         self.argv = ["serve", "--port", str(self.port), *args]
         self.prelude, self.env, self.cwd, self.startup_s = prelude, env, cwd, startup_s
@@ -235,12 +240,6 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServeProcess":
-        import os
-        import subprocess
-        import sys
-        import tempfile
-        import time
-
         import httpx
 
         self.log_file = tempfile.TemporaryFile(mode="w+")
@@ -272,8 +271,6 @@ class ServeProcess:
         raise KeyError(field)
 
     def __exit__(self, *exc) -> None:
-        import subprocess
-
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

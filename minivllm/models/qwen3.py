@@ -19,12 +19,8 @@ from minivllm.layers.rotary import RotaryEmbedding
 
 class Qwen3Attention(nn.Module):
     """Grouped-query attention with RoPE and, where the config has it, a q/k RMSNorm per head.
-
-    Gemma 3 builds the same layer with ``qk_norm=GemmaRMSNorm`` (always on) and, for its local
-    layers, ``sliding=True``: a window of ``config.sliding_window`` positions and RoPE at
-    ``config.rope_local_theta`` without scaling. Its attention scale comes from the config too
-    (``query_pre_attn_scalar``; other families have none and scale by ``head_dim ** -0.5``).
-    """
+    Gemma 3 passes its own norm (``qk_norm``) and, for a local layer, ``sliding``: a window of
+    ``config.sliding_window`` and RoPE at ``config.rope_local_theta``, unscaled."""
 
     def __init__(self, config: ModelConfig, qk_norm: type[nn.Module] | None = None, sliding: bool = False):
         super().__init__()
