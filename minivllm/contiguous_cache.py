@@ -32,9 +32,7 @@ class ContiguousKVCache:
         self.kv = torch.zeros(shape, dtype=param.dtype, device=param.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv[i, 0], self.kv[i, 1]
-        self.layers = layers
-        self.batch_size = batch_size
-        self.max_len = max_len
+        self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
 
     def detach(self) -> None:
         for layer in self.layers:

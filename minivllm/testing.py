@@ -167,12 +167,8 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, model_max_leng
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TOKENIZER_TEXT, trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the tiny tokenizer came out with {tok.get_vocab_size()} tokens, not {vocab_size}")

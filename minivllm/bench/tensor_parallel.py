@@ -145,7 +145,8 @@ def main(out_dir: str = "benchmarks", num_layers: int = 8, num_requests: int = 2
 
     if torch.cuda.device_count() < 2:
         raise RuntimeError(f"minivllm bench tp needs 2 CUDA GPUs; this machine has {torch.cuda.device_count()}")
-    path = model_checkpoint(f"qwen3-8b-{num_layers}-layers-random", {**QWEN3_8B_LAYERS, "num_hidden_layers": num_layers})
+    shapes = {**QWEN3_8B_LAYERS, "num_hidden_layers": num_layers}
+    path = model_checkpoint(f"qwen3-8b-{num_layers}-layers-random", shapes)
     runs = [measure(path, tp, num_requests) for tp in (1, 2)]
     hidden = QWEN3_8B_LAYERS["hidden_size"]
     comm = run_on_ranks(all_reduce_cost, 2, [1, 8, 64, 256, 2048, 8192], hidden, torch.bfloat16, device="cuda")[0]

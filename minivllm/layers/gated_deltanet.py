@@ -52,10 +52,8 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
-        self.in_proj = PackedLinear(
-            hidden_size,
-            replicated_shards({"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads}),
-        )
+        self.in_proj = PackedLinear(hidden_size, replicated_shards(
+            {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads}))
         # Stored as [D, 1, K] like nn.Conv1d's weight (so the checkpoint loads as it is).
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel_size))

@@ -79,10 +79,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         if layer_type == LINEAR:
             hf = config.hf_config
             self.linear_attn = linear_attention(
-                config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"],
-                hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4),
-                config.rms_norm_eps,
-            )
+                config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"],
+                hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4), config.rms_norm_eps)
         else:
             self.self_attn = Qwen3_5Attention(config)
         self.mlp = make_mlp(config, layer_idx)  # the feed-forward: dense here, sparse in the MoE families

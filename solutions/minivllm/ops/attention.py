@@ -128,10 +128,7 @@ def varlen_attention_reference(
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-    if ctx.cu_seqlens_q is None:
-        cu_seqlens = torch.tensor([0, q.shape[0]])
-    else:
-        cu_seqlens = ctx.cu_seqlens_q.cpu()
+    cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
     out = torch.empty_like(q)
     for i in range(len(cu_seqlens) - 1):
         start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
