@@ -42,9 +42,7 @@ def text_part(hf: dict) -> tuple[dict, bool]:
         raise ValueError(f"{architectures[0]} config.json has no 'text_config' to load the text model from")
     flat = dict(hf["text_config"])
     flat["architectures"] = [TEXT_MODEL_OF[architectures[0]]]
-    for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
-        if key in hf:
-            flat[key] = hf[key]
+    flat.update({key: hf[key] for key in ("tie_word_embeddings", "dtype", "torch_dtype") if key in hf})
     if flat.get("eos_token_id") is None and hf.get("eos_token_id") is not None:
         flat["eos_token_id"] = hf["eos_token_id"]
     return flat, True

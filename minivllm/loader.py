@@ -37,7 +37,9 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_modules_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
-    expected = set(_expected_shards(model))
+    # What the checkpoint must provide: a packed or stacked parameter names its pieces
+    # (shard_ids), any other is one whole tensor.
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
     loaded: set[tuple[str, object]] = set()
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -77,14 +79,6 @@ def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
     return ckpt_name, None
-
-
-def _expected_shards(model: nn.Module):
-    """Every (parameter, shard) the checkpoint must provide: a packed or stacked parameter
-    names its pieces in ``shard_ids``, any other is one whole tensor."""
-    for name, param in model.named_parameters():
-        for shard_id in getattr(param, "shard_ids", [None]):
-            yield name, shard_id
 
 
 def load_model(

@@ -44,8 +44,7 @@ def hybrid_layer_types(config: ModelConfig) -> list[str]:
 class Qwen3_5Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
