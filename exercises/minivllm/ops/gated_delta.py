@@ -152,9 +152,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def _sequences(ctx: Context, num_tokens: int) -> list[tuple[int, int]]:
-    if ctx.cu_seqlens_q is None:
-        return [(0, num_tokens)]
-    cu = ctx.cu_seqlens_q.tolist()
+    cu = [0, num_tokens] if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.tolist()
     return list(zip(cu[:-1], cu[1:]))
 
 
