@@ -1,8 +1,11 @@
 """``minivllm generate | chat | serve | bench``; every command defaults to the bundled model."""
 import argparse
+import dataclasses
+import importlib
 import json
 import logging
 import sys
+import types
 
 MODEL_HELP = "a local folder or hub id (default: the bundled model)"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
@@ -11,12 +14,13 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (
 # The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
 # command line has no use for (the model is the command's; record_trace is for notebooks).
 NOT_ENGINE_FLAGS = ("model", "record_trace")
+# ``minivllm bench WHICH`` runs the ``main`` of this module of minivllm.bench.
+BENCHMARKS = {"throughput": "throughput", "latency": "latency", "kernels": "kernels", "moe": "moe",
+              "gated-delta": "gated_delta", "serving": "serving", "tp": "tensor_parallel"}
 
 
 def engine_fields():
     """EngineConfig's fields, each of which ``add_engine_args`` makes a flag."""
-    import dataclasses
-
     from minivllm.config import EngineConfig
 
     return [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
@@ -33,9 +37,6 @@ def engine_args(args) -> dict:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """A flag for every EngineConfig field (``max_num_seqs`` -> ``--max-num-seqs``; a bool
     gets its ``--no-`` twin), so that a new engine setting is on the command line at once."""
-    import dataclasses
-    import types
-
     group = parser.add_argument_group("engine", "EngineConfig's fields (left out: the engine's default)")
     for f in engine_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -58,7 +59,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
     from minivllm.server.api import ServerConfig
-
     from minivllm.tokenizer import resolve_chat_template
 
     config = ServerConfig(api_key=args.api_key)
@@ -100,17 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help=MODEL_HELP)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--seed", type=int, default=None)
-
     chat = sub.add_parser("chat", help="talk to the model in the terminal (multi-turn, streaming)")
-    chat.add_argument("--model", default=None, help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--seed", type=int, default=None)
+    for command, max_tokens, temperature in ((gen, 64, 0.8), (chat, 128, 0.7)):
+        command.add_argument("--model", default=None, help=MODEL_HELP)
+        command.add_argument("--max-tokens", type=int, default=max_tokens)
+        command.add_argument("--temperature", type=float, default=temperature)
+        command.add_argument("--seed", type=int, default=None)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (or --model)")
@@ -144,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
-    bench.add_argument("which", choices=["throughput", "latency", "kernels", "moe", "gated-delta", "serving", "tp"])
+    bench.add_argument("which", choices=list(BENCHMARKS))
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
@@ -211,26 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         name = args.served_model_name or (args.model or "bundled")
         sys.exit(run_server(engine, name, args.host, args.port, config))
     elif args.command == "bench":
+        options = {}
         if args.which == "throughput":
-            from minivllm.bench.throughput import main as run
-
-            report = run(args.out, with_transformers=not args.no_transformers)
-        elif args.which == "moe":
-            from minivllm.bench.moe import main as run
-
-            report = run(args.out)
-        elif args.which == "latency":
-            from minivllm.bench.latency import main as run
-
-            report = run(args.out)
-        elif args.which == "gated-delta":
-            from minivllm.bench.gated_delta import main as run
-
-            report = run(args.out)
+            options["with_transformers"] = not args.no_transformers
         elif args.which == "serving":
-            from minivllm.bench.serving import main as run
-
-            options = {"model": args.model}
+            options["model"] = args.model
             if args.rates:
                 options["rates"] = [float(r) for r in args.rates.split(",")]
             if args.num_requests:
@@ -239,16 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                 options.update(base_url=args.base_url, api_key=args.api_key, vocab=args.vocab)
             if args.engine_process is not None:
                 options["engine_process"] = args.engine_process
-            report = run(args.out, **options)
-        elif args.which == "tp":
-            from minivllm.bench.tensor_parallel import main as run
-
-            report = run(args.out)
-        else:
-            from minivllm.bench.kernels import main as run
-
-            report = run(args.out)
-        print(json.dumps(report, indent=2, default=str))
+        run = importlib.import_module(f"minivllm.bench.{BENCHMARKS[args.which]}").main
+        print(json.dumps(run(args.out, **options), indent=2, default=str))
 
 
 def run_chat(args, input=input, output=sys.stdout) -> None:

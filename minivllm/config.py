@@ -42,9 +42,7 @@ def text_part(hf: dict) -> tuple[dict, bool]:
         raise ValueError(f"{architectures[0]} config.json has no 'text_config' to load the text model from")
     flat = dict(hf["text_config"])
     flat["architectures"] = [TEXT_MODEL_OF[architectures[0]]]
-    for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
-        if key in hf:
-            flat[key] = hf[key]
+    flat.update({key: hf[key] for key in ("tie_word_embeddings", "dtype", "torch_dtype") if key in hf})
     if flat.get("eos_token_id") is None and hf.get("eos_token_id") is not None:
         flat["eos_token_id"] = hf["eos_token_id"]
     return flat, True
@@ -102,10 +100,8 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -253,10 +249,8 @@ class EngineConfig:
             raise ValueError("async_scheduling=True needs tensor_parallel_size=1: under tensor parallelism only "
                              "rank 0 holds the sampled tokens the next step's inputs are made of")
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
-        if self.num_kv_blocks is not None:
-            _positive(self, "num_kv_blocks")
-        if self.max_model_len is not None:
-            _positive(self, "max_model_len")
+        # None, for these two: the engine decides.
+        _positive(self, *(n for n in ("num_kv_blocks", "max_model_len") if getattr(self, n) is not None))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.cpu_kv_cache_space <= 0:

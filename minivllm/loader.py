@@ -37,7 +37,9 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     experts = getattr(model, "expert_modules_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
-    expected = {(name, shard) for name, shard in _expected_shards(model, packed)}
+    # What the checkpoint must provide: a packed or stacked parameter names its pieces
+    # (shard_ids), any other is one whole tensor.
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
     loaded: set[tuple[str, object]] = set()
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -56,12 +58,8 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
                 param = params[name]
                 tensor = f.get_tensor(ckpt_name).to(param.dtype)
-                loader = getattr(param, "weight_loader", None)
                 try:
-                    if shard_id is None:
-                        (loader or (lambda p, w, s=None: default_weight_loader(p, w)))(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded.add((name, shard_id))
@@ -81,23 +79,6 @@ def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
     return ckpt_name, None
-
-
-def _expected_shards(model: nn.Module, packed: dict):
-    """Every (parameter, shard) the checkpoint must provide."""
-    shards_of: dict[str, list] = {}
-    for ckpt_part, (our_part, shard_id) in packed.items():
-        shards_of.setdefault(our_part, []).append(shard_id)
-    for name, param in model.named_parameters():
-        module = name.split(".")[-2] if "." in name else ""
-        if hasattr(param, "shard_ids"):  # stacked experts: one piece per expert and projection
-            for shard_id in param.shard_ids:
-                yield name, shard_id
-        elif module in shards_of:
-            for shard_id in shards_of[module]:
-                yield name, shard_id
-        else:
-            yield name, None
 
 
 def load_model(

@@ -7,21 +7,20 @@ vocabulary is exactly the model's 512 tokens), an end-of-text token and a ChatML
 template, so text features (stop strings, streaming, chat) can be tested on tiny models.
 """
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-TINY_SHAPES = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+from minivllm.distributed.processes import free_port
+
+TINY_SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -41,22 +40,14 @@ FAMILIES = {
 
 # Shapes a family needs beyond TINY_SHAPES (the caller's overrides still win).
 FAMILY_SHAPES = {
-    "gemma3": dict(
-        num_hidden_layers=4,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=16,
-    ),
+    "gemma3": dict(num_hidden_layers=4, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    "qwen3_5": dict(
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    ),
+    "qwen3_5": dict(num_hidden_layers=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4),
 }
 FAMILY_SHAPES["qwen3_5_moe"] = dict(
     FAMILY_SHAPES["qwen3_5"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -106,16 +97,9 @@ TOKENIZER_TEXT = (
 
 
 def make_tiny_checkpoint(
-    path: str | Path,
-    family: str = "qwen3",
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    tie_word_embeddings: bool = True,
-    max_shard_size: str | int | None = None,
-    init_std: float = 0.08,
-    with_tokenizer: bool = False,
-    vision_language: bool = False,
-    **overrides,
+    path: str | Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
+    tie_word_embeddings: bool = True, max_shard_size: str | int | None = None, init_std: float = 0.08,
+    with_tokenizer: bool = False, vision_language: bool = False, **overrides,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``path`` and return the path.
 
@@ -183,12 +167,8 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, model_max_leng
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TOKENIZER_TEXT, trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the tiny tokenizer came out with {tok.get_vocab_size()} tokens, not {vocab_size}")
@@ -246,11 +226,7 @@ class ServeProcess:
 
     def __init__(self, args: list[str] = (), prelude: str = "", env: dict | None = None, cwd: str | None = None,
                  startup_s: float = 180):
-        import socket
-
-        with socket.socket() as sock:  # a free port (released again: a tiny race, fine for tests)
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()  # released again before the server binds it: a tiny race, fine for tests
         self.argv = ["serve", "--port", str(self.port), *args]
         self.prelude, self.env, self.cwd, self.startup_s = prelude, env, cwd, startup_s
         self.proc = None
@@ -260,12 +236,6 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServeProcess":
-        import os
-        import subprocess
-        import sys
-        import tempfile
-        import time
-
         import httpx
 
         self.log_file = tempfile.TemporaryFile(mode="w+")
@@ -313,8 +283,6 @@ class ServeProcess:
         raise KeyError(field)
 
     def __exit__(self, *exc) -> None:
-        import subprocess
-
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

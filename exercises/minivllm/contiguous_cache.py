@@ -38,9 +38,7 @@ class ContiguousKVCache:
         self.kv = torch.zeros(shape, dtype=param.dtype, device=param.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv[i, 0], self.kv[i, 1]
-        self.layers = layers
-        self.batch_size = batch_size
-        self.max_len = max_len
+        self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
 
     def detach(self) -> None:
         for layer in self.layers:
@@ -57,10 +55,7 @@ class ContiguousKVCache:
 
 @torch.inference_mode()
 def generate(
-    model: nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
+    model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
 ) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids). Returns the new tokens only."""
     if not prompts or any(len(p) == 0 for p in prompts):

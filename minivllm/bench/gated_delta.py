@@ -10,12 +10,11 @@ Decode is memory-bound: each step reads and writes every sequence's state once, 
 bandwidth. Prefill is compute-bound at long prompts; its FLOP rate is compared with the bf16
 matmul rate (the kernels multiply in tf32 from float32 tiles, so that ceiling is generous).
 """
-import json
-from pathlib import Path
+from unittest import mock
 
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, time_cuda
+from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda
 from minivllm.context import Context
 from minivllm.ops import gated_delta as ops
 
@@ -71,12 +70,8 @@ def decode_case(batch: int, hk=16, hv=32, dk=128, dv=128) -> dict:
 
 def _reference(q, k, v, g, beta, states, ctx):
     """The torch path of the same op (the dispatch would pick the kernels on a GPU)."""
-    dispatch = ops.use_triton
-    ops.use_triton = lambda x: False
-    try:
+    with mock.patch.object(ops, "use_triton", lambda x: False):
         return ops.gated_delta_rule_varlen(q, k, v, g, beta, states, ctx)
-    finally:
-        ops.use_triton = dispatch
 
 
 def main(out_dir: str = "benchmarks") -> dict:
@@ -89,6 +84,4 @@ def main(out_dir: str = "benchmarks") -> dict:
     for case in decode:
         case["percent_of_copy_bandwidth"] = 100 * case["triton_bytes_per_s"] / bw
     report = {"ceilings": ceilings, "layer": QWEN3_5_LAYER, "chunked_prefill": prefill, "recurrent_decode": decode}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "gated_delta.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "gated_delta.json")

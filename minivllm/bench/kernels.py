@@ -1,10 +1,7 @@
 """Each Triton kernel against its torch reference and its roofline, at real shapes."""
-import json
-from pathlib import Path
-
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, time_cuda, time_cuda_graph
+from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda, time_cuda_graph
 
 
 def paged_decode_case(batch: int, context: int, heads=16, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16):
@@ -52,6 +49,4 @@ def main(out_dir: str = "benchmarks") -> dict:
         for who in ("gemv", "torch"):
             case[f"{who}_percent_of_copy_bandwidth"] = 100 * case["bytes"] / case[f"{who}_seconds"] / bw
     report = {"ceilings": ceilings, "paged_decode_attention": cases, "decode_linears": linears}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "kernels.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "kernels.json")

@@ -3,23 +3,16 @@
 Batch-1 decode is the purest memory-bound case: each token must read every weight once,
 so its floor is weight bytes / copy bandwidth (plus the K/V of its short context).
 """
-import gc
-import json
-import time
 from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import measure_ceilings
+from minivllm.bench.roofline import measure_ceilings, release_memory, save_report, timed
 from minivllm.bench.throughput import model_checkpoint
 
 
 def _timed_generate(llm, prompt, params) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([prompt], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return timed(lambda: llm.generate([prompt], params, use_tqdm=False))[1]
 
 
 def measure(path: Path, enforce_eager: bool, decode_tokens: int = 256) -> dict:
@@ -42,8 +35,7 @@ def measure(path: Path, enforce_eager: bool, decode_tokens: int = 256) -> dict:
     tpot = (total - first) / (decode_tokens - 1)
     params = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     return {"enforce_eager": enforce_eager, "ttft_seconds": ttft, "decode_tokens_per_s": 1 / tpot,
             "time_per_output_token_s": tpot, "weight_bytes": params}
 
@@ -63,6 +55,4 @@ def main(out_dir: str = "benchmarks") -> dict:
         "percent_of_speed_of_light_with_graphs": 100 * floor / graphs["time_per_output_token_s"],
         "graph_speedup": eager["time_per_output_token_s"] / graphs["time_per_output_token_s"],
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "latency.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "latency.json")

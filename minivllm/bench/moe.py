@@ -14,14 +14,12 @@ bfloat16 (speed does not depend on the weights' values).
 
 Writes ``benchmarks/moe.json``.
 """
-import json
 import os
-from pathlib import Path
+from unittest import mock
 
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, time_cuda
-from minivllm.testing import make_tiny_checkpoint
+from minivllm.bench.roofline import measure_ceilings, save_report, time_cuda
 
 QWEN3_30B_A3B_4_LAYERS = dict(  # Qwen3-30B-A3B's shapes, 4 of its 48 layers
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
@@ -33,16 +31,9 @@ TOKEN_COUNTS = (1, 8, 64, 256, 1024, 4096)
 
 
 def with_backend(backend: str, fn):
-    """Run fn with MINIVLLM_MOE_BACKEND set to ``backend``, restoring it afterwards."""
-    before = os.environ.get("MINIVLLM_MOE_BACKEND")
-    os.environ["MINIVLLM_MOE_BACKEND"] = backend
-    try:
+    """Run fn with MINIVLLM_MOE_BACKEND set to ``backend``; the environment is restored afterwards."""
+    with mock.patch.dict(os.environ, MINIVLLM_MOE_BACKEND=backend):
         return fn()
-    finally:
-        if before is None:
-            del os.environ["MINIVLLM_MOE_BACKEND"]
-        else:
-            os.environ["MINIVLLM_MOE_BACKEND"] = before
 
 
 def layer_case(block, tokens: int, ceilings: dict, shapes: dict) -> dict:
@@ -85,20 +76,10 @@ def layer_benchmark(ceilings: dict, shapes: dict = QWEN3_30B_A3B_4_LAYERS) -> li
     return cases
 
 
-def model_checkpoint(folder: Path | None = None) -> Path:
-    """A random-weight bf16 checkpoint with the shapes above, written once and reused."""
-    if folder is None:
-        folder = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "qwen3-30b-a3b-4l-random"
-    if not (folder / "config.json").exists():
-        make_tiny_checkpoint(folder, family="qwen3_moe", dtype=torch.bfloat16, init_std=0.02,
-                             **QWEN3_30B_A3B_4_LAYERS)
-    return folder
-
-
 def engine_benchmark(num_requests: int = 128, max_len: int = 512) -> dict:
-    from minivllm.bench.throughput import make_workload, run_minivllm
+    from minivllm.bench.throughput import make_workload, model_checkpoint, run_minivllm
 
-    path = model_checkpoint()
+    path = model_checkpoint("qwen3-30b-a3b-4l-random", QWEN3_30B_A3B_4_LAYERS, family="qwen3_moe")
     prompts, output_lens = make_workload(num_requests, max_len=max_len)
     runs = {}
     for name, backend, eager in (("reference_eager", "reference", True), ("fused_eager", "fused", True),
@@ -128,6 +109,4 @@ def main(out_dir: str = "benchmarks") -> dict:
         "engine": engine_benchmark(),
         "torch": torch.__version__,
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "moe.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "moe.json")

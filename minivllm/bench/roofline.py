@@ -1,8 +1,14 @@
-"""The two ceilings of a GPU, measured in the same run as the benchmark they judge.
+"""The two ceilings of a GPU, measured in the same run as the benchmark they judge, and
+what every benchmark shares: its timers and where its report goes.
 
 Copy bandwidth: a large device-to-device copy, counting bytes read plus bytes written.
 Matmul rate: a large bf16 matrix product on random data (zeros run faster than real data).
 """
+import gc
+import json
+import time
+from pathlib import Path
+
 import torch
 
 QWEN3_0_6B = dict(  # Qwen3-0.6B's exact shapes
@@ -54,3 +60,28 @@ def measure_ceilings(device: str = "cuda") -> dict:
     flops = 2 * 8192**3 / t
     return {"copy_bandwidth_bytes_per_s": bandwidth, "bf16_matmul_flops_per_s": flops,
             "device": torch.cuda.get_device_name(device)}
+
+
+def timed(fn) -> tuple[object, float]:
+    """(fn(), its wall-clock seconds), the GPU (if any) synchronised before and after: for a
+    whole run through the engine, host work included."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
+
+
+def release_memory() -> None:
+    """Give back what the last engine or model held (the caller drops its references first)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def save_report(report: dict, out_dir: str, name: str) -> dict:
+    """Write ``report`` as ``out_dir/name`` (JSON) and return it."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / name).write_text(json.dumps(report, indent=2))
+    return report

@@ -20,7 +20,6 @@ in a process of its own or in a thread of the server's (``engine_process``; by d
 ``minivllm serve`` decides: a process on a GPU).
 """
 import asyncio
-import gc
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.bench.roofline import release_memory, save_report, timed
 from minivllm.testing import ServeProcess, cpu_seconds
 
 
@@ -153,6 +153,44 @@ def summarize(results: list[RequestResult], seconds: float, rate: float) -> dict
 # -- the whole benchmark ---------------------------------------------------------------
 
 
+def serving_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                     seed: int) -> tuple[list[list[int]], list[int], dict]:
+    """Random token-id prompts and output lengths, each uniform in its range, and their
+    description for the report."""
+    from minivllm.bench.throughput import make_workload
+
+    prompts, lens = make_workload(num_requests, *prompt_len, max_token_id=vocab - 1, seed=seed)
+    rng = random.Random(seed + 1)
+    output_lens = [rng.randint(*output_len) for _ in lens]
+    described = {"requests_per_rate": num_requests, "prompt_len": list(prompt_len), "output_len": list(output_len),
+                 "temperature": 0, "ignore_eos": True, "arrivals": "Poisson", "seed": seed,
+                 "total_output_tokens": sum(output_lens)}
+    return prompts, output_lens, described
+
+
+def run_rates(url: str, model: str, prompts, output_lens, rates: list[float], seed: int, warmup: int,
+              api_key: str | None = None, processes: dict[str, int] | None = None) -> list[dict]:
+    """A warm-up at the workload's prompt lengths (kernel specialisations compile there, not
+    in the timed runs), then the workload at each rate, summarised. ``processes`` (name ->
+    pid, on this machine): the share of each run that each kept a core busy, which says
+    which process is the bottleneck."""
+    processes = processes or {}
+    warm = [p[::-1] for p in prompts[:warmup]]
+    asyncio.run(run_load(url, model, warm, [4] * len(warm), math.inf, seed, api_key=api_key))
+    runs = []
+    for rate in rates:
+        before = {k: cpu_seconds(pid) for k, pid in processes.items()}
+        results, seconds = asyncio.run(run_load(url, model, prompts, output_lens, rate, seed, api_key=api_key))
+        runs.append(summarize(results, seconds, rate))
+        busy = ""
+        if processes:
+            runs[-1]["cpu_busy"] = {k: (cpu_seconds(pid) - before[k]) / seconds for k, pid in processes.items()}
+            busy = "; CPU busy: " + ", ".join(f"{k} {v:.0%}" for k, v in runs[-1]["cpu_busy"].items())
+        print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
+              f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors{busy}", flush=True)
+    return runs
+
+
 def run_offline(model: Path, prompts, output_lens, llm_args: dict) -> dict:
     """The same requests through ``LLM.generate``, all at once: the throughput ceiling."""
     from minivllm import LLM, SamplingParams
@@ -161,17 +199,10 @@ def run_offline(model: Path, prompts, output_lens, llm_args: dict) -> dict:
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([p[::-1] for p in prompts[:16]], warm, use_tqdm=False)  # compile/warm on other prompts
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    seconds = time.perf_counter() - start
+    outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     del llm, outputs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_memory()
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "request_throughput": len(prompts) / seconds}
 
@@ -191,32 +222,14 @@ def run_against(base_url: str, api_key: str | None, out_dir: str, rates: list[fl
                 num_requests: int | None, seed: int, vocab: int) -> dict:
     """The serving benchmark against any running server (``--base-url``): the same
     arrivals and request shapes, token-id prompts drawn below ``vocab``."""
-    from minivllm.bench.throughput import make_workload
-
     name, max_model_len = describe_server(base_url, api_key)
-    rates = rates or [1, 2, 4, math.inf]
-    num_requests = num_requests or 64
     prompt_len = (min(100, max_model_len // 4), min(1024, max_model_len // 2))
     output_len = (min(32, max_model_len // 8), min(256, max_model_len // 4))
-    prompts, lens = make_workload(num_requests, *prompt_len, max_token_id=vocab - 1, seed=seed)
-    rng = random.Random(seed + 1)
-    output_lens = [rng.randint(*output_len) for _ in lens]
-    url = base_url.rstrip("/")
-    asyncio.run(run_load(url, name, [p[::-1] for p in prompts[:8]], [4] * 8, math.inf, seed, api_key=api_key))
-    runs = []
-    for rate in rates:
-        results, seconds = asyncio.run(run_load(url, name, prompts, output_lens, rate, seed, api_key=api_key))
-        runs.append(summarize(results, seconds, rate))
-        print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
-              f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors", flush=True)
-    report = {"server": base_url, "model": name,
-              "workload": {"requests_per_rate": num_requests, "prompt_len": list(prompt_len),
-                           "output_len": list(output_len), "temperature": 0, "ignore_eos": True,
-                           "arrivals": "Poisson", "seed": seed, "total_output_tokens": sum(output_lens)},
-              "online": runs}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "serving_external.json").write_text(json.dumps(report, indent=2))
-    return report
+    prompts, output_lens, workload = serving_workload(num_requests or 64, prompt_len, output_len, vocab, seed)
+    runs = run_rates(base_url.rstrip("/"), name, prompts, output_lens, rates or [1, 2, 4, math.inf], seed,
+                     warmup=8, api_key=api_key)
+    report = {"server": base_url, "model": name, "workload": workload, "online": runs}
+    return save_report(report, out_dir, "serving_external.json")
 
 
 def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[float] | None = None,
@@ -224,7 +237,7 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
          api_key: str | None = None, vocab: int = 1000, engine_process: bool | None = None) -> dict:
     if base_url is not None:
         return run_against(base_url, api_key, out_dir, rates, num_requests, seed, vocab)
-    from minivllm.bench.throughput import make_workload, model_checkpoint
+    from minivllm.bench.throughput import model_checkpoint
     from minivllm.config import ModelConfig
     from minivllm.llm import BUNDLED_MODEL, resolve_model
 
@@ -242,9 +255,7 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
         prompt_len, output_len = (16, 64), (16, 32)
         llm_args = {"max_num_seqs": 64}
     vocab = ModelConfig.from_pretrained(path).vocab_size
-    prompts, lens = make_workload(num_requests, *prompt_len, max_token_id=vocab - 1, seed=seed)
-    rng = random.Random(seed + 1)
-    output_lens = [rng.randint(*output_len) for _ in lens]
+    prompts, output_lens, workload = serving_workload(num_requests, prompt_len, output_len, vocab, seed)
 
     offline = run_offline(path, prompts, output_lens, llm_args)
 
@@ -254,39 +265,20 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
         args.append("--engine-process" if engine_process else "--no-engine-process")
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     with ServeProcess(args, env=env, startup_s=900) as server:
-        url = server.url
-        # Warm-up at the workload's prompt lengths (kernel specialisations compile here).
-        warm = [p[::-1] for p in prompts[:16]]
-        asyncio.run(run_load(url, name, warm, [4] * len(warm), math.inf, seed))
-        # Which process is the bottleneck: the share of the run each kept a core busy (HTTP
-        # in the server's; the engine in its core's, or in the server's with no core process).
+        # The engine in the core's process, or in the server's with no core process.
         processes = {"server": server.proc.pid}
         core = server.engine_core_pid(timeout=0)
         if core is not None:
             processes["engine_core"] = core
-        runs = []
-        for rate in rates:
-            before = {k: cpu_seconds(pid) for k, pid in processes.items()}
-            results, seconds = asyncio.run(run_load(url, name, prompts, output_lens, rate, seed))
-            runs.append(summarize(results, seconds, rate))
-            runs[-1]["cpu_busy"] = {k: (cpu_seconds(pid) - before[k]) / seconds for k, pid in processes.items()}
-            busy = ", ".join(f"{k} {v:.0%}" for k, v in runs[-1]["cpu_busy"].items())
-            print(f"rate {rate}: TTFT p50 {runs[-1]['ttft_s']['p50']}, ITL p50 {runs[-1]['itl_s']['p50']}, "
-                  f"{runs[-1]['output_tokens_per_s']:.0f} tok/s, {runs[-1]['num_errors']} errors; "
-                  f"CPU busy: {busy}", flush=True)
-    device = torch.cuda.get_device_name() if cuda else "CPU"
+        runs = run_rates(server.url, name, prompts, output_lens, rates, seed, warmup=16, processes=processes)
     report = {
-        "device": device,
+        "device": torch.cuda.get_device_name() if cuda else "CPU",
         "model": str(model) if model else ("random weights, Qwen3-0.6B shapes, bfloat16" if cuda else "bundled model"),
-        "workload": {"requests_per_rate": num_requests, "prompt_len": list(prompt_len), "output_len": list(output_len),
-                     "temperature": 0, "ignore_eos": True, "arrivals": "Poisson", "seed": seed,
-                     "total_output_tokens": sum(output_lens)},
+        "workload": workload,
         "engine": llm_args,
         "engine_process": "engine_core" in processes,  # the engine core in a process of its own
         "offline": offline,
         "online": runs,
         "torch": torch.__version__,
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "serving.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "serving.json")

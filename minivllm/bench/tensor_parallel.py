@@ -11,15 +11,13 @@
   fewer layers. Splitting halves each GPU's weight reads, the floor of a memory-bound
   decode step, and adds the all-reduces.
 """
-import gc
-import json
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from minivllm.bench.roofline import release_memory, save_report, timed
 from minivllm.distributed import parallel_state
 
 QWEN3_8B_LAYERS = dict(  # Qwen3-8B's shapes, with num_hidden_layers set by the caller
@@ -71,7 +69,7 @@ def forward_profile(path: str, num_tokens: int, repeats: int = 5) -> dict:
     calls: list[tuple[str, tuple, float]] = []
     original = {"all_reduce": dist.all_reduce, "all_gather": dist.all_gather}
 
-    def timed(name):
+    def recorded(name):
         def op(tensor_or_list, *args, **kwargs):
             start = time.perf_counter()
             result = original[name](tensor_or_list, *args, **kwargs)
@@ -83,7 +81,7 @@ def forward_profile(path: str, num_tokens: int, repeats: int = 5) -> dict:
     best = None
     # This process is a throwaway rank (or a notebook's single process): patching the
     # collectives here to time them touches nothing else.
-    dist.all_reduce, dist.all_gather = timed("all_reduce"), timed("all_gather")
+    dist.all_reduce, dist.all_gather = recorded("all_reduce"), recorded("all_gather")
     try:
         with torch.inference_mode():
             for _ in range(repeats):
@@ -105,13 +103,6 @@ def forward_profile(path: str, num_tokens: int, repeats: int = 5) -> dict:
 
 
 # -- GPUs: throughput and latency at tp=1 and tp=2 -------------------------------------------
-
-def model_checkpoint(num_layers: int = 8) -> Path:
-    from minivllm.bench.throughput import model_checkpoint as cached
-
-    folder = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / f"qwen3-8b-{num_layers}-layers-random"
-    return cached(folder, shapes={**QWEN3_8B_LAYERS, "num_hidden_layers": num_layers})
-
 
 def measure(path: Path, tp: int, num_requests: int, decode_tokens: int = 256) -> dict:
     from minivllm import LLM, SamplingParams
@@ -136,11 +127,7 @@ def measure(path: Path, tp: int, num_requests: int, decode_tokens: int = 256) ->
         # Throughput: the standard workload's shape, fewer requests.
         prompts, output_lens = make_workload(num_requests)
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
         return {"tensor_parallel_size": tp, "output_tokens": tokens, "seconds": seconds,
@@ -149,16 +136,17 @@ def measure(path: Path, tp: int, num_requests: int, decode_tokens: int = 256) ->
     finally:
         llm.shutdown()
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
 
 
 def main(out_dir: str = "benchmarks", num_layers: int = 8, num_requests: int = 256) -> dict:
+    from minivllm.bench.throughput import model_checkpoint
     from minivllm.distributed.launch import run_on_ranks
 
     if torch.cuda.device_count() < 2:
         raise RuntimeError(f"minivllm bench tp needs 2 CUDA GPUs; this machine has {torch.cuda.device_count()}")
-    path = model_checkpoint(num_layers)
+    shapes = {**QWEN3_8B_LAYERS, "num_hidden_layers": num_layers}
+    path = model_checkpoint(f"qwen3-8b-{num_layers}-layers-random", shapes)
     runs = [measure(path, tp, num_requests) for tp in (1, 2)]
     hidden = QWEN3_8B_LAYERS["hidden_size"]
     comm = run_on_ranks(all_reduce_cost, 2, [1, 8, 64, 256, 2048, 8192], hidden, torch.bfloat16, device="cuda")[0]
@@ -171,6 +159,4 @@ def main(out_dir: str = "benchmarks", num_layers: int = 8, num_requests: int = 2
         "all_reduce_bf16_nccl": comm,
         "all_reduces_per_step": 2 * num_layers + 1,
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "tensor_parallel.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "tensor_parallel.json")

@@ -10,8 +10,6 @@ the attention FLOPs. Each step's floor is max(bytes / bandwidth, FLOPs / matmul 
 both ceilings measured in this run; the workload's floor is the sum over the engine's real
 steps. "% of speed of light" = that floor / the measured time.
 """
-import gc
-import json
 import os
 import random
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings
+from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed
 from minivllm.testing import make_tiny_checkpoint
 
 
@@ -41,12 +39,12 @@ def fresh_prompts(prompts, seed: int, max_token_id: int = 10000):
     return [[rng.randint(0, max_token_id) for _ in p] for p in prompts]
 
 
-def model_checkpoint(folder: Path | None = None, shapes: dict = QWEN3_0_6B) -> Path:
-    """A random-weight bf16 checkpoint with Qwen3-0.6B's shapes, written once and reused."""
-    if folder is None:
-        folder = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "qwen3-0.6b-random"
+def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B, family: str = "qwen3") -> Path:
+    """A random-weight bf16 checkpoint of ``shapes`` (default: Qwen3-0.6B's), written once
+    into the cache folder (``MINIVLLM_CACHE``, else ~/.cache/minivllm) and reused."""
+    folder = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / name
     if not (folder / "config.json").exists():
-        make_tiny_checkpoint(folder, dtype=torch.bfloat16, init_std=0.02, **shapes)
+        make_tiny_checkpoint(folder, family=family, dtype=torch.bfloat16, init_std=0.02, **shapes)
     return folder
 
 
@@ -85,12 +83,8 @@ def timed_run(llm, prompts, output_lens) -> dict:
 
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     before = dict(llm.engine.stats)
-    torch.cuda.synchronize()
     with triton_compiles() as compiled:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
     stats = {k: llm.engine.stats[k] - before.get(k, 0) for k in ("prefill_seconds", "decode_seconds")}
@@ -161,8 +155,7 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
     })
     llm.engine.runner.shutdown()
     del llm, model
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     return result
 
 
@@ -180,13 +173,10 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-    torch.cuda.synchronize()
-    start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens), min_new_tokens=max(output_lens),
-                       do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=pad)
-    torch.cuda.synchronize()
-    t = time.perf_counter() - start
+        _, t = timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens),
+                                            min_new_tokens=max(output_lens), do_sample=True, temperature=0.6,
+                                            top_k=0, top_p=1.0, pad_token_id=pad))
     results["padded_generate"] = {"seconds": t, "useful_output_tokens": sum(output_lens),
                                   "output_tokens_per_s": sum(output_lens) / t}
     # Continuous batching: one config for all requests, so every request generates the
@@ -196,19 +186,14 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
         mean_len = round(sum(output_lens) / len(output_lens))
         config = GenerationConfig(max_new_tokens=mean_len, min_new_tokens=mean_len, do_sample=True, temperature=0.6,
                                   top_k=0, top_p=1.0, eos_token_id=-1, pad_token_id=0)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model2.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-        torch.cuda.synchronize()
-        t = time.perf_counter() - start
+        out, t = timed(lambda: model2.generate_batch(inputs=prompts, generation_config=config, progress_bar=False))
         tokens = sum(len(o.generated_tokens) for o in out.values())
         results["generate_batch"] = {"seconds": t, "output_tokens": tokens, "output_tokens_per_s": tokens / t}
         del model2
     except Exception as e:  # recorded, not hidden: the report shows why this baseline is missing
         results["generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     return results
 
 
@@ -240,6 +225,4 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
         report["speedup_vs_padded_generate"] = ours["output_tokens_per_s"] / baseline["padded_generate"]["output_tokens_per_s"]
     if baseline and "output_tokens_per_s" in baseline.get("generate_batch", {}):
         report["speedup_vs_generate_batch"] = ours["output_tokens_per_s"] / baseline["generate_batch"]["output_tokens_per_s"]
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "throughput.json").write_text(json.dumps(report, indent=2))
-    return report
+    return save_report(report, out_dir, "throughput.json")

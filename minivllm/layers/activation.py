@@ -23,10 +23,3 @@ class SiluAndMul(ActAndMul):
 
     def __init__(self):
         super().__init__("silu")
-
-
-class GeluTanhAndMul(ActAndMul):
-    """GeGLU's gate (Gemma): gelu_tanh(gate) * up."""
-
-    def __init__(self):
-        super().__init__("gelu_tanh")

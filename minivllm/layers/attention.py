@@ -11,18 +11,13 @@ from minivllm.ops.attention import varlen_attention
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
-    ):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
-            )
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # Local attention: each query sees only the last sliding_window positions up to its own.
         self.sliding_window = sliding_window
         # Empty until a cache is attached: then [num_blocks, block_size, num_kv_heads, head_dim].

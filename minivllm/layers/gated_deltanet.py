@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.context import get_context
-from minivllm.layers.linear import Linear, PackedLinear, replicated_shards, default_weight_loader
+from minivllm.layers.linear import Linear, PackedLinear, replicated_shards
 from minivllm.ops.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
 
@@ -40,16 +40,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_k_heads: int,
-        num_v_heads: int,
-        head_k_dim: int,
-        head_v_dim: int,
-        conv_kernel_size: int = 4,
-        eps: float = 1e-6,
-    ):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel_size: int = 4, eps: float = 1e-6):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads ({num_k_heads})")
@@ -60,14 +52,11 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
-        self.in_proj = PackedLinear(
-            hidden_size,
-            replicated_shards({"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads}),
-        )
+        self.in_proj = PackedLinear(hidden_size, replicated_shards(
+            {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads, "a": num_v_heads}))
         # Stored as [D, 1, K] like nn.Conv1d's weight (so the checkpoint loads as it is).
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel_size))
-        self.conv1d.weight.weight_loader = lambda p, w, shard_id=None: default_weight_loader(p, w)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)

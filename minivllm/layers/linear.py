@@ -28,7 +28,9 @@ from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_
 from minivllm.ops.linear import linear
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"unknown shard {shard_id!r}: this parameter is one whole tensor")
     if param.shape != loaded_weight.shape:
         raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
@@ -76,8 +78,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, loaded_weight)
+    weight_loader = staticmethod(default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -110,6 +111,9 @@ class PackedLinear(Linear):
         for shard_id, (full_rows, (start, size)) in shards.items():
             self.shards[shard_id] = Shard(full_rows, start, size, offset)
             offset += size
+        for param in (self.weight, self.bias):  # the pieces the loader must find in a checkpoint
+            if param is not None:
+                param.shard_ids = list(self.shards)
 
     @property
     def shard_offsets(self) -> dict:
@@ -179,14 +183,9 @@ class QKVLinear(PackedLinear):
             raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
         q_first, q_count = split_rows(num_heads, rank, world_size)
         kv_first, kv_count = kv_head_range(num_kv_heads, rank, world_size)
-        q_rows = (q_first * head_dim, q_count * head_dim)
-        kv_rows = (kv_first * head_dim, kv_count * head_dim)
-        super().__init__(
-            hidden_size,
-            {"q": (num_heads * head_dim, q_rows), "k": (num_kv_heads * head_dim, kv_rows),
-             "v": (num_kv_heads * head_dim, kv_rows)},
-            bias,
-        )
+        q_rows = (num_heads * head_dim, (q_first * head_dim, q_count * head_dim))
+        kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
+        super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
         self.num_heads, self.num_kv_heads = q_count, kv_count
 
 

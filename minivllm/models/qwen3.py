@@ -12,37 +12,39 @@ from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import LMHead, VocabEmbedding, last_token_states
 from minivllm.layers.linear import QKVLinear, RowParallelLinear
 from minivllm.layers.mlp import GatedMLP
+from minivllm.layers.moe import sparse_moe_block
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Grouped-query attention with RoPE and, where the config has it, a q/k RMSNorm per head.
+    Gemma 3 passes its own norm (``qk_norm``) and, for a local layer, ``sliding``: a window of
+    ``config.sliding_window`` and RoPE at ``config.rope_local_theta``, unscaled."""
+
+    def __init__(self, config: ModelConfig, qk_norm: type[nn.Module] | None = None, sliding: bool = False):
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.attention_bias,
-        )
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=config.attention_bias)
         # The heads this rank computes: all of them in one process, a share of them under
         # tensor parallelism (chapter 16).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
-        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.o_proj_bias)
         # Normalising each head's query and key keeps attention logits in range.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rotary_dim,
-            config.rope_scaling,
-        )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        qk_norm = qk_norm or (RMSNorm if config.qk_norm else None)
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        local_base = config.rope_local_theta if config.rope_local_theta is not None else 10000.0
+        base, scaling = (local_base, None) if sliding else (config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, config.rotary_dim,
+                                          scaling)
+        scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
+                              sliding_window=config.sliding_window if sliding else None)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -63,11 +65,20 @@ class Qwen3MLP(GatedMLP):
         super().__init__(config.hidden_size, config.intermediate_size, "silu")
 
 
+def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward: a router and experts where ``config.is_moe_layer``
+    says so (Qwen3-MoE's rule, also Qwen3-Next's), the router renormalising with
+    ``norm_topk_prob``; one dense SwiGLU elsewhere, and in every layer of a dense model."""
+    if config.is_moe_layer(layer_idx):
+        return sparse_moe_block(config, renormalize=config.norm_topk_prob)
+    return Qwen3MLP(config)
+
+
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=Qwen3MLP):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Qwen3Attention(config)
-        self.mlp = make_mlp(config)  # the feed-forward: dense here, sparse in Qwen3-MoE
+        self.mlp = feed_forward(config, layer_idx)  # dense here, sparse in Qwen3-MoE's MoE layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,12 +100,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
-        """Decoder layer ``layer_idx``. A family whose layers differ overrides this."""
-        return Qwen3DecoderLayer(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

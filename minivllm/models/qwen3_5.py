@@ -22,7 +22,7 @@ from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.layers.linear import Linear, PackedLinear, replicated_shards
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.layers.norm import GemmaRMSNorm
-from minivllm.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+from minivllm.models.qwen3 import Qwen3ForCausalLM, feed_forward
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -44,8 +44,7 @@ def hybrid_layer_types(config: ModelConfig) -> list[str]:
 class Qwen3_5Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -64,30 +63,26 @@ class Qwen3_5Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_gate, k, v = self.qkv_proj(hidden_states).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v).flatten(1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    linear_attention_class = GatedDeltaNet  # Qwen3-Next: the same layer, loaded from other tensors
-
-    def __init__(self, config: ModelConfig, layer_type: str, make_mlp=Qwen3MLP):
+    def __init__(self, config: ModelConfig, layer_idx: int, layer_type: str, make_mlp=feed_forward,
+                 linear_attention=GatedDeltaNet):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == LINEAR:
             hf = config.hf_config
-            self.linear_attn = self.linear_attention_class(
-                config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"],
-                hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4),
-                config.rms_norm_eps,
-            )
+            self.linear_attn = linear_attention(
+                config.hidden_size, hf["linear_num_key_heads"], hf["linear_num_value_heads"], hf["linear_key_head_dim"],
+                hf["linear_value_head_dim"], hf.get("linear_conv_kernel_dim", 4), config.rms_norm_eps)
         else:
             self.self_attn = Qwen3_5Attention(config)
-        self.mlp = make_mlp(config)  # the feed-forward: dense here, sparse in Qwen3.5-MoE
+        self.mlp = make_mlp(config, layer_idx)  # the feed-forward: dense here, sparse in the MoE families
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,15 +94,15 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The hybrid stack; its relatives give their feed-forward (``make_mlp(config, layer_idx)``,
+    by default Qwen3's rule) and Qwen3-Next its Gated DeltaNet layer (``linear_attention``)."""
+
+    def __init__(self, config: ModelConfig, make_mlp=feed_forward, linear_attention=GatedDeltaNet):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.make_layer(config, i, t) for i, t in enumerate(hybrid_layer_types(config)))
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, i, t, make_mlp, linear_attention)
+                                    for i, t in enumerate(hybrid_layer_types(config)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
-        """Decoder layer ``layer_idx``, of ``layer_type``. A family whose layers differ overrides this."""
-        return Qwen3_5DecoderLayer(config, layer_type)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

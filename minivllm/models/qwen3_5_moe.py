@@ -14,19 +14,16 @@ layer every few) where every layer's feed-forward is sparse, as transformers bui
 Loading: as Qwen3.5, plus the experts (stacked from per-expert tensors or taken whole, as
 in Qwen3-MoE) and the shared expert's gate/up packed like a dense MLP's.
 """
-from functools import partial
-
 from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.moe import sparse_moe_block
-from minivllm.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model
+from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
-class Qwen3_5MoeModel(Qwen3_5Model):
-    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
-        return Qwen3_5DecoderLayer(config, layer_type, partial(sparse_moe_block, renormalize=True))
+def qwen3_5_moe_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    return sparse_moe_block(config, renormalize=True)  # every layer, the top-k always renormalised
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -39,4 +36,4 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         super().__init__(config)
 
     def make_model(self, config: ModelConfig) -> nn.Module:
-        return Qwen3_5MoeModel(config)
+        return Qwen3_5Model(config, make_mlp=qwen3_5_moe_mlp)

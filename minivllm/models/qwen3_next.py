@@ -15,16 +15,14 @@ two places only:
   ``mlp_only_layers``, a dense MLP of ``intermediate_size`` elsewhere), and the router
   renormalises its top-k probabilities only with ``norm_topk_prob``.
 """
-from functools import partial
-
 import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.models.qwen3 import Qwen3ForCausalLM
-from minivllm.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model
-from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_mlp
+from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
@@ -34,6 +32,7 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.in_proj.weight.weight_loader = self.load_grouped
+        self.in_proj.weight.shard_ids = ["qkvz", "ba"]
 
     def load_grouped(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         groups, hidden = self.num_k_heads, param.shape[1]
@@ -57,17 +56,6 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
             self.in_proj.weight_loader(param, rows, name)
 
 
-class Qwen3NextDecoderLayer(Qwen3_5DecoderLayer):
-    linear_attention_class = Qwen3NextGatedDeltaNet
-
-
-class Qwen3NextModel(Qwen3_5Model):
-    """Qwen3.5's stack with Qwen3-MoE's rule for which feed-forwards are sparse."""
-
-    def make_layer(self, config: ModelConfig, layer_idx: int, layer_type: str) -> nn.Module:
-        return Qwen3NextDecoderLayer(config, layer_type, partial(qwen3_moe_mlp, layer_idx=layer_idx))
-
-
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     packed_modules_mapping = {
         **Qwen3ForCausalLM.packed_modules_mapping,
@@ -83,4 +71,5 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         super().__init__(config)
 
     def make_model(self, config: ModelConfig) -> nn.Module:
-        return Qwen3NextModel(config)
+        # Qwen3.5's stack, and its default feed-forward rule: Qwen3-MoE's.
+        return Qwen3_5Model(config, linear_attention=Qwen3NextGatedDeltaNet)

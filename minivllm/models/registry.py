@@ -10,16 +10,11 @@ from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from minivllm.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from minivllm.models.qwen3_next import Qwen3NextForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-}
+# Each class is named as config.json's ``architectures`` names the checkpoints it runs.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (
+    Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+    Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
+)}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -94,14 +94,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
-    ctx: Context,
-    scale: float,
-    sliding_window: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+    ctx: Context, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
     reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
@@ -121,14 +115,8 @@ def varlen_attention(
 
 
 def varlen_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
-    ctx: Context,
-    scale: float,
-    sliding_window: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+    ctx: Context, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The reference: one sequence at a time.
 
@@ -140,10 +128,7 @@ def varlen_attention_reference(
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-    if ctx.cu_seqlens_q is None:
-        cu_seqlens = torch.tensor([0, q.shape[0]])
-    else:
-        cu_seqlens = ctx.cu_seqlens_q.cpu()
+    cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
     out = torch.empty_like(q)
     for i in range(len(cu_seqlens) - 1):
         start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])

@@ -154,9 +154,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def _sequences(ctx: Context, num_tokens: int) -> list[tuple[int, int]]:
-    if ctx.cu_seqlens_q is None:
-        return [(0, num_tokens)]
-    cu = ctx.cu_seqlens_q.tolist()
+    cu = [0, num_tokens] if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.tolist()
     return list(zip(cu[:-1], cu[1:]))
 
 
@@ -205,10 +203,8 @@ def gated_delta_rule_varlen(
             cu, longest = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device), q.shape[0]
         elif not longest:  # a context without the host-side bound (a warm-up pass): ask the device
             longest = int((cu[1:] - cu[:-1]).max())
-        if not with_pool:
-            return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, None, None, None, cu, longest)
-        return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
-                                                cu, longest)
+        pool = (states, ctx.state_slots, ctx.has_initial_state) if with_pool else (None, None, None)
+        return kernels.chunk_gated_delta_varlen(q, k, v, g, beta, *pool, cu, longest)
     qp, kp = prepare_qk(q, k, v.shape[1])
     if with_pool and not ctx.is_prefill:
         # Decode: one token per sequence, all sequences in one batched step.

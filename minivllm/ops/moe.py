@@ -37,11 +37,7 @@ def moe_backend() -> str:
 
 
 def fused_experts(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The experts' mixed output for every token, [T, H] in x's dtype (see the module docstring)."""
     check_moe_shapes(x, w_gate_up, w_down, topk_weights, topk_ids)
@@ -54,11 +50,7 @@ def fused_experts(
 
 
 def fused_experts_triton(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     config: dict | None = None,
 ) -> torch.Tensor:
     """The fused path on any device Triton runs on: group the assignments by expert
@@ -86,11 +78,7 @@ def check_moe_shapes(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
 
 
 def experts_reference(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The spec: one expert at a time, over only the tokens routed to it."""
     out = torch.zeros_like(x)

@@ -57,9 +57,7 @@ class StackedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
-        self.full_intermediate_size = intermediate_size
+        self.num_experts, self.hidden_size, self.full_intermediate_size = num_experts, hidden_size, intermediate_size
         # This rank's features [start, start + intermediate_size) of every expert.
         self.start, intermediate_size = split_rows(intermediate_size, get_tp_rank(), get_tp_world_size())
         self.intermediate_size = intermediate_size

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from minivllm.layers.norm import RMSNorm
 from minivllm.ops.rotary import qk_norm_rope
 
 
@@ -27,10 +28,7 @@ def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
 
 
 def llama3_scale_inv_freq(
-    inv_freq: torch.Tensor,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
     original_max_position_embeddings: int,
 ) -> torch.Tensor:
     """Llama 3's context extension: slow the low-frequency channels down by ``factor``,
@@ -48,12 +46,7 @@ def llama3_scale_inv_freq(
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        rotary_dim: int | None = None,
-        scaling: dict | None = None,
+        self, head_dim: int, max_position: int, base: float, rotary_dim: int | None = None, scaling: dict | None = None
     ):
         super().__init__()
         self.head_dim = head_dim
@@ -61,13 +54,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.rotary_dim, base)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            inv_freq = llama3_scale_inv_freq(
-                inv_freq,
-                scaling["factor"],
-                scaling["low_freq_factor"],
-                scaling["high_freq_factor"],
-                scaling["original_max_position_embeddings"],
-            )
+            inv_freq = llama3_scale_inv_freq(inv_freq, scaling["factor"], scaling["low_freq_factor"],
+                                             scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type != "default":
@@ -83,8 +71,11 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate queries and keys ([tokens, heads, head_dim]) to their positions ([tokens]).
 
-        With ``q_norm`` and ``k_norm`` (RMSNorms over head_dim, Qwen3's q/k norm) each head
-        is normalised first: on a GPU the norms and the rotation are one fused kernel.
+        With ``q_norm`` and ``k_norm`` (norms over head_dim) each head is normalised first.
+        RMSNorms (Qwen3's q/k norm) and the rotation are one fused kernel on a GPU; another
+        norm (Gemma's, which scales by 1 + weight) runs on its own before the rotation.
         """
+        if q_norm is not None and not isinstance(q_norm, RMSNorm):
+            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         weights = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return qk_norm_rope(q, k, positions, self.cos_cache, self.sin_cache, *weights)

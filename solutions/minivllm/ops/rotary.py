@@ -36,14 +36,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k ([tokens, heads, head_dim]) rotated to ``positions`` ([tokens]) with the
     angles of the cos/sin caches ([max_position, rotary_dim / 2]), after a per-head RMSNorm
