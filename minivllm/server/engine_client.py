@@ -25,7 +25,6 @@ import multiprocessing as mp
 import select
 import socket
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator
 
@@ -34,7 +33,7 @@ import torch
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server.async_engine import EngineDeadError, EngineState, RequestFailedError
+from minivllm.server.async_engine import EngineDeadError, EngineState, RequestFailedError, RequestQueues
 from minivllm.server.engine_core import FrameDecoder, apply_delta, frame, run_engine_core
 from minivllm.tokenizer import load_tokenizer
 
@@ -44,7 +43,7 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0
 
 
-class EngineCoreClient:
+class EngineCoreClient(RequestQueues):
     def __init__(self, model=None, startup_s: float | None = None, **engine_args):
         """Start the engine core as ``LLM(model, **engine_args)`` would build its engine,
         and wait until it is ready (at most ``startup_s`` seconds; None: as long as it is
@@ -256,14 +255,7 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """As ``AsyncLLMEngine.generate``: the request's outputs as the core's steps give
         them; leave early and the request is aborted in the core, which frees its blocks."""
-        self.check_health()
-        self.start()
-        self.validate(prompt_token_ids, sampling_params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        request_id, queue = self._open(prompt_token_ids, sampling_params, request_id)
         # One write, not awaited: from here the core has it (or is dead, and says so).
         self._send(("add", request_id, prompt_token_ids, sampling_params, prompt))
         finished = False

@@ -67,7 +67,27 @@ class EngineState:
     num_aborted: int  # requests aborted before they finished (clients that left)
 
 
-class AsyncLLMEngine:
+class RequestQueues:
+    """What both engine handles (this one, and ``engine_client.EngineCoreClient`` for a core
+    in its own process) do before a request goes to the engine: check it, and open the queue
+    its outputs arrive in."""
+
+    _queues: dict[str, asyncio.Queue]
+
+    def _open(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
+              request_id: str | None) -> tuple[str, asyncio.Queue]:
+        self.check_health()
+        self.start()
+        self.validate(prompt_token_ids, sampling_params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return request_id, queue
+
+
+class AsyncLLMEngine(RequestQueues):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -212,14 +232,7 @@ class AsyncLLMEngine:
         aborted. A bad prompt raises ValueError before anything is queued; a request the
         engine fails alone raises RequestFailedError, and one cut short by the engine's death
         EngineDeadError."""
-        self.check_health()
-        self.start()
-        self.validate(prompt_token_ids, sampling_params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        request_id, queue = self._open(prompt_token_ids, sampling_params, request_id)
         added = finished = False
         try:
             submitted = self._in_engine_thread(
