@@ -1,8 +1,9 @@
 """Chapter 09 — Triton kernels: RMSNorm inside a kernel, and the online softmax of paged
-decode attention.
+attention (decode and prefill).
 
 Your kernels (exercises/minivllm/kernels/elementwise.py, ``_rms_norm_kernel``, and
-exercises/minivllm/kernels/paged_attention.py, ``_decode_kernel``) run in Triton's
+exercises/minivllm/kernels/paged_attention.py, ``_online_softmax_update`` inside
+``_decode_kernel`` and ``_prefill_kernel``) run in Triton's
 interpreter on the CPU, whatever the machine, so that every answer is graded the same way.
 The interpreter executes the kernel's Python body with numpy arrays in place of registers:
 what passes here computes the same on a GPU.
@@ -14,7 +15,9 @@ squares overflow float16, and rounded where the reference rounds (to the activat
 before the weight); decode attention with grouped-query heads over contexts many tiles long
 (a softmax that is not rescaled from tile to tile shows), split across several programs
 and merged, with scores far from zero (a softmax without its running max overflows), and
-next to padding rows of context length 0.
+next to padding rows of context length 0, and over a float16 cache; and prefill attention
+with a sliding window, where a tile of keys can hide every key from some of its queries (a
+row with nothing visible yet).
 """
 import contextlib
 import os
@@ -46,7 +49,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minivllm.kernels.elementwise import rms_norm  # noqa: E402
-from minivllm.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from minivllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # the interpreter computes in numpy float32
 
@@ -55,7 +58,7 @@ TOL = dict(atol=1e-4, rtol=1e-4)  # the interpreter computes in numpy float32
 def _interpreted():
     from minivllm.kernels import elementwise, paged_attention
 
-    for kernel in (elementwise._rms_norm_kernel, paged_attention._decode_kernel):
+    for kernel in (elementwise._rms_norm_kernel, paged_attention._decode_kernel, paged_attention._prefill_kernel):
         if type(kernel).__name__ != "InterpretedFunction":
             pytest.fail("the kernels were imported before TRITON_INTERPRET=1 was set", pytrace=False)
 
@@ -257,6 +260,22 @@ def test_ch09_decode_split_across_programs_and_merged(num_splits):
     torch.testing.assert_close(out, ref, **TOL, msg=lambda m: f"{num_splits} splits: {m}")
 
 
+def test_ch09_decode_in_float16():
+    # A half-precision cache, as the engine keeps it on a GPU: tl.dot takes two operands of
+    # one dtype, so the float32 probabilities p meet the float16 values v only cast to
+    # v's dtype. Rounding p and the inputs to float16 moves outputs of order 1 by ~1e-3.
+    lens = [150, 40]
+    g = torch.Generator().manual_seed(13)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lens), 8, 16, generator=g).half()
+    with kernel_errors():
+        out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.25,
+                                     max(lens), 2)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), decode_spec(q, k_cache, v_cache, tables, lens, 0.25), atol=1e-2, rtol=1e-2)
+
+
 def test_ch09_decode_padding_rows_beside_real_ones():
     # A CUDA-graph batch padded to a captured size: rows of context length 0 attend to
     # nothing and must give exact zeros, while the real rows are unaffected.
@@ -265,3 +284,45 @@ def test_ch09_decode_padding_rows_beside_real_ones():
     assert not out.isnan().any(), "NaN in the output"
     assert out[0].abs().max() == 0 and out[2].abs().max() == 0, "a row with no keys must give zeros"
     torch.testing.assert_close(out, ref, **TOL)
+
+
+# --- paged prefill attention with a sliding window ------------------------------------
+
+
+def prefill_spec(q, k_cache, v_cache, tables, lens, q_lens, scale, window):
+    """Each sequence's queries (the last q_len of its len positions) over its cached keys,
+    in float64: the query at position p sees the keys j with p - window < j <= p."""
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out, start = torch.zeros(q.shape, dtype=torch.float64), 0
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        rows = tables[b, : -(-n // block_size)].long()
+        k = k_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[rows].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + m].double(), k) * scale
+        p = torch.arange(n - m, n)[:, None]
+        j = torch.arange(n)[None, :]
+        scores = scores.masked_fill(~((j <= p) & (j > p - window)), float("-inf"))
+        out[start : start + m] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        start += m
+    return out.float()
+
+
+@pytest.mark.parametrize("window", [8, 20])
+def test_ch09_prefill_sliding_window_hides_whole_tiles(window):
+    # The prefill kernel folds its tiles of keys with the same update. A tile of queries
+    # (16 in the interpreter) starts at the 64-key tile holding its first query's window; a
+    # later query of the same tile may see none of those 64 keys (with a window of 8, the
+    # tile of queries 64..79 walks keys 0..63 first, and query 79 sees only keys 72..79).
+    # For that row every score of the key tile is -inf and so is m: exp(-inf - (-inf)) is
+    # NaN unless such a row is shifted by 0 instead.
+    lens, q_lens = [100, 90], [100, 40]  # a fresh prompt; a chunk continuing 50 cached tokens
+    g = torch.Generator().manual_seed(window)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    q = torch.randn(sum(q_lens), 4, 16, generator=g)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    with kernel_errors():
+        out = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), cu,
+                                      max(q_lens), 0.25, sliding_window=window)
+    assert not out.isnan().any(), (
+        "NaN with a sliding window: a row that sees nothing in a tile has m = -inf; shift it by 0, not by m")
+    torch.testing.assert_close(out, prefill_spec(q, k_cache, v_cache, tables, lens, q_lens, 0.25, window), **TOL)
