@@ -345,7 +345,7 @@ class ModelRunner:
                 "in previous_tokens (one per sampled row of that step); input row "
                 "f['pending_dst'][i] gets previous_tokens[f['pending_src'][i]], for every i at "
                 "once, with one indexed assignment on the device (never read the tokens back to "
-                "the host), see the chapter 17 notebook"
+                "the host), see notebooks/17_async_scheduling.ipynb"
             )
         if step.num_copies:  # before this step writes into the copies: [2, layers, blocks, ...]
             self.kv_cache[:, :, f["copy_dst"]] = self.kv_cache[:, :, f["copy_src"]]

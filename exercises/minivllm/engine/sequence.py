@@ -70,7 +70,7 @@ class Sequence:
             "ch17: last_token_pending (num_pending > 0 here): True when the sequence's output "
             "tokens, those on the host and those pending on the device (num_scheduled_tokens - "
             "num_prompt_tokens), already reach sampling_params.max_tokens; a max_tokens of None "
-            "never does, see the chapter 17 notebook"
+            "never does, see notebooks/17_async_scheduling.ipynb"
         )
 
     @property
