@@ -183,3 +183,42 @@ def test_the_served_loop_gives_the_same_tokens(checkpoint):
 def test_tensor_parallelism_refuses_async_scheduling(checkpoint):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.gpu
+def test_gpu_asynchronous_steps_follow_each_other_on_the_device():
+    """Chapter 17's claim, on a GPU: in the synchronous loop the device idles between decode
+    steps while the host takes in the tokens and prepares the next step; asynchronously the
+    next step is queued before the host takes in the last, so the device's spans of
+    consecutive steps (the profiler's device-side ``minivllm.launch`` ranges) leave no gap."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm.bench.throughput import model_checkpoint
+
+    path = model_checkpoint()  # Qwen3-0.6B's shapes: a step long enough to hide the host behind
+    gaps = {}
+    for mode in (False, True):
+        llm = LLM(str(path), async_scheduling=mode, gpu_memory_utilization=0.3)
+        try:
+            engine, g = llm.engine, torch.Generator().manual_seed(0)
+            params = SamplingParams(temperature=0.6, max_tokens=100, ignore_eos=True)
+            for _ in range(64):
+                engine.add_request(torch.randint(3, 150_000, (256,), generator=g).tolist(), params)
+            for _ in range(4):  # past the prefill
+                engine.step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(6):
+                    engine.step()
+                torch.cuda.synchronize()
+        finally:
+            llm.shutdown()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.name == "minivllm.launch")
+        assert len(spans) == 6, f"expected the device-side ranges of 6 launches, found {len(spans)}"
+        gaps[mode] = statistics.median(b[0] - a[1] for a, b in zip(spans, spans[1:]))  # microseconds
+    assert gaps[True] < 100, f"asynchronous: a median {gaps[True]:.0f} us between one step's work and the next's"
+    assert gaps[False] > 200, f"synchronous: only {gaps[False]:.0f} us between steps; is the host that fast?"

@@ -6,9 +6,11 @@ finished. Everything a serving front end needs (streaming, aborts) is built on t
 """
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
@@ -195,14 +197,17 @@ class LLMEngine:
         self._check_running()
         start = time.perf_counter()
         self._waited = 0.0
-        launched = self._launch()
+        with profiler_range("minivllm.launch"):
+            launched = self._launch()
         if self.config.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
-            outputs, finished = self._process(previous) if previous is not None else ([], [])
+            with profiler_range("minivllm.process"):
+                outputs, finished = self._process(previous) if previous is not None else ([], [])
             if launched is not None and launched.deferred is not None:
                 self._sample_deferred(launched)  # its grammars now know the tokens of `previous`
         else:
-            outputs, finished = self._process(launched) if launched is not None else ([], [])
+            with profiler_range("minivllm.process"):
+                outputs, finished = self._process(launched) if launched is not None else ([], [])
         if launched is not None:
             self._account(launched, time.perf_counter() - start, finished)
         return outputs
@@ -210,7 +215,8 @@ class LLMEngine:
     def _launch(self) -> "LaunchedStep | None":
         """Schedule a step and put it on the device; its tokens stay there for now."""
         hits_before = self.block_manager.cache_hit_tokens
-        batch = self.scheduler.schedule()
+        with profiler_range("minivllm.schedule"):
+            batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running and self._in_flight is None:
                 # Nothing runs and the head of the queue does not fit: cannot happen for a
@@ -299,8 +305,9 @@ class LLMEngine:
     def _process(self, step: "LaunchedStep") -> tuple[list[RequestOutput], list[int]]:
         """Take in a step's tokens: append them, check the stop conditions, build outputs."""
         wait_start = time.perf_counter()
-        sampled = step.sampled.to_host() if step.sampled is not None else None  # waits for that step only
-        scored = step.prompt_scores.to_host() if step.prompt_scores is not None else None
+        with profiler_range("minivllm.wait"):
+            sampled = step.sampled.to_host() if step.sampled is not None else None  # waits for that step only
+            scored = step.prompt_scores.to_host() if step.prompt_scores is not None else None
         self._waited += time.perf_counter() - wait_start
         for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
@@ -482,6 +489,14 @@ class LaunchedStep:
     # Structured output under asynchronous scheduling: (logits, sampling arguments) of a step
     # whose forward pass is on the device and whose sampling waits for its grammars' masks.
     deferred: tuple | None = None
+
+
+def profiler_range(name: str):
+    """A named range of the step in a torch.profiler trace (chapter 17 draws the step's
+    timeline from them: launch, with schedule inside it; process, with wait inside it). Only
+    while a profiler records: an idle ``record_function`` still costs microseconds, at every
+    step."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def token_history(requests: list[RequestState], previous: tuple[torch.Tensor, dict[int, int]] | None) -> TokenHistory:

@@ -334,7 +334,9 @@ class ModelRunner:
         positions (the pending ones filled from ``previous_tokens``, on the device)."""
         f = step.fields(self._to_device(step.host))
         if step.num_pending:
+            # BEGIN SOLUTION ch17 pending_inputs
             f["input_ids"][f["pending_dst"]] = previous_tokens[f["pending_src"]]
+            # END SOLUTION
         if step.num_copies:  # before this step writes into the copies: [2, layers, blocks, ...]
             self.kv_cache[:, :, f["copy_dst"]] = self.kv_cache[:, :, f["copy_src"]]
         set_context(

@@ -57,10 +57,14 @@ class Sequence:
 
     @property
     def last_token_pending(self) -> bool:
-        """Is the token still on the device the sequence's last (it reaches max_tokens)?"""
+        """Is the token still on the device the sequence's last (it reaches max_tokens)? Then
+        the scheduler leaves it out: a step for it would compute a token nobody wants."""
+        if not self.num_pending:
+            return False  # nothing is on the device (always so in the synchronous loop)
+        # BEGIN SOLUTION ch17 last_token_pending
         max_tokens = self.sampling_params.max_tokens
-        return bool(self.num_pending) and max_tokens is not None and (
-            self.num_scheduled_tokens - self.num_prompt_tokens >= max_tokens)
+        return max_tokens is not None and self.num_scheduled_tokens - self.num_prompt_tokens >= max_tokens
+        # END SOLUTION
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/engine/model_runner.py, generated from it by scripts/make_exercises.py.
-# Fill in: ModelRunner.prepare (ch05), graph_batch_sizes (ch10), padded_batch_size (ch10).
-# Grade: make grade CH=05; make grade CH=10
+# Fill in: ModelRunner.prepare (ch05), ModelRunner.upload (ch17), graph_batch_sizes (ch10), padded_batch_size (ch10).
+# Grade: make grade CH=05; make grade CH=10; make grade CH=17
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
@@ -340,7 +340,13 @@ class ModelRunner:
         positions (the pending ones filled from ``previous_tokens``, on the device)."""
         f = step.fields(self._to_device(step.host))
         if step.num_pending:
-            f["input_ids"][f["pending_dst"]] = previous_tokens[f["pending_src"]]
+            raise NotImplementedError(
+                "ch17: pending inputs: the previous step's sampled tokens are still on the device, "
+                "in previous_tokens (one per sampled row of that step); input row "
+                "f['pending_dst'][i] gets previous_tokens[f['pending_src'][i]], for every i at "
+                "once, with one indexed assignment on the device (never read the tokens back to "
+                "the host), see notebooks/17_async_scheduling.ipynb"
+            )
         if step.num_copies:  # before this step writes into the copies: [2, layers, blocks, ...]
             self.kv_cache[:, :, f["copy_dst"]] = self.kv_cache[:, :, f["copy_src"]]
         set_context(

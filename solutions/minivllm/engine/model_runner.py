@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/model_runner.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: ModelRunner.prepare (ch05), graph_batch_sizes (ch10), padded_batch_size (ch10).
+# Reference answers for: ModelRunner.prepare (ch05), ModelRunner.upload (ch17), graph_batch_sizes (ch10), padded_batch_size (ch10).
 # Do not edit: change minivllm/engine/model_runner.py and run scripts/make_exercises.py again.
 
 """The model runner: owns the model and the KV pool, turns a scheduled batch into tensors,
