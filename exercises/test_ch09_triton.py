@@ -326,3 +326,24 @@ def test_ch09_prefill_sliding_window_hides_whole_tiles(window):
     assert not out.isnan().any(), (
         "NaN with a sliding window: a row that sees nothing in a tile has m = -inf; shift it by 0, not by m")
     torch.testing.assert_close(out, prefill_spec(q, k_cache, v_cache, tables, lens, q_lens, 0.25, window), **TOL)
+
+
+def test_ch09_the_value_product_keeps_the_precision_it_is_given():
+    """``tl.dot(p, v)`` must pass ``input_precision=PRECISION``: on a GPU a float32 dot
+    without it multiplies in tf32 (about 3e-4 relative error), and float32 would no longer
+    match transformers token for token. The interpreter computes every dot exactly whatever
+    the argument says, so this one check reads your code instead of running it."""
+    import ast
+    import inspect
+    import textwrap
+
+    from minivllm.kernels import paged_attention
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(paged_attention._online_softmax_update.fn)))
+    dots = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "dot"]
+    assert dots, "the value product is a tl.dot"
+    for dot in dots:
+        given = {kw.arg: ast.unparse(kw.value) for kw in dot.keywords}
+        assert given.get("input_precision") == "PRECISION", \
+            f"tl.dot must take input_precision=PRECISION, got {ast.unparse(dot)}"
