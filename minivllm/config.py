@@ -267,8 +267,8 @@ class EngineConfig:
                              f"({limit}): leave it out, or give at most {limit}")
 
 
-# The sampling settings a generation_config.json may give defaults for (vLLM takes these,
-# and repetition_penalty, which minivllm does not have yet).
+# The sampling settings a generation_config.json may give defaults for. vLLM also takes
+# repetition_penalty from it; here a request's repetition_penalty is only its own.
 GENERATION_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
 
 
