@@ -299,3 +299,38 @@ def test_sampled_distribution_matches_without_speculation(checkpoint):
         tv = sum(abs(counts[0][k] - counts[1][k]) for k in keys) / 2 / n
         print(f"token {position}: total variation {tv:.3f}")
         assert tv < bound, (position, tv, counts)
+
+
+# -- serving ---------------------------------------------------------------------------
+
+def test_server_with_speculation_counts_drafts_in_metrics(checkpoint):
+    import httpx
+    import openai
+
+    from minivllm.server import AsyncLLMEngine
+    from minivllm.server.api import ServerThread, build_app
+
+    offline = LLM(str(checkpoint), num_kv_blocks=256, block_size=8)
+    engine = AsyncLLMEngine(LLM(str(checkpoint), num_kv_blocks=256, block_size=8, speculative_config=NGRAM).engine)
+    prompt = "a b c a b c a b c a b c a b c"
+    [want] = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    with ServerThread(build_app(engine, "tiny")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want.outputs[0].text
+        page = httpx.get(server.url + "/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+              if line.startswith("vllm:spec_decode_num_")}
+    assert values["vllm:spec_decode_num_draft_tokens_total"] >= values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_cli_flag_takes_json():
+    import argparse
+
+    from minivllm.cli import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert engine_args(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
