@@ -253,9 +253,13 @@ class LLMEngine:
         run_start = time.perf_counter()
         # Speculative decoding: a sequence verifying d drafts gets d + 1 sampler rows, one per
         # position (minivllm.spec_decode.verify); every other sequence gets one.
-        drafts = [list(batch.seqs[i].draft_token_ids) for i in rows] if batch.num_drafts else [[] for _ in rows]
-        row_requests = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
-        banned = [self.output_processor.banned(r, j) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        drafts, row_requests = [[]] * len(rows), requests
+        if batch.num_drafts:
+            drafts = [batch.seqs[i].draft_token_ids for i in rows]
+            row_requests = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
+            banned = [self.output_processor.banned(r, j) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        else:
+            banned = [self.output_processor.banned(r) for r in requests]
         history = token_history(row_requests, previous) if any(r.needs_history for r in requests) else None
         args = ([r.seq.sampling_params for r in row_requests], [r.generator for r in row_requests], banned, history)
         deferred = None
@@ -278,11 +282,12 @@ class LLMEngine:
             self._fork(first)
         for request in requests:
             request.seq.num_pending += 1  # its token is on the device until this step is processed
-        for seq in batch.seqs:
-            seq.draft_token_ids = []  # they travel with the step now
-        # (Each sequence's newest token is the last of its rows.)
-        ends = list(itertools.accumulate(len(d) + 1 for d in drafts))
-        return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: e - 1 for e, r in zip(ends, requests)},
+        row_of = {r.seq.seq_id: j for j, r in enumerate(requests)}
+        if batch.num_drafts:  # the drafts travel with the step now; a sequence's token is its last row's
+            for seq in batch.seqs:
+                seq.draft_token_ids = []
+            row_of = {r.seq.seq_id: e - 1 for e, r in zip(itertools.accumulate(len(d) + 1 for d in drafts), requests)}
+        return LaunchedStep(batch, requests, sampled, row_of,
                             num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace,
                             scoring, prompt_scores, deferred, drafts)
 
