@@ -77,8 +77,11 @@ class Scheduler:
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
-                # A decode with drafts: its last token and as many drafts as the budget allows.
+                # A decode with drafts: its last token and as many drafts as the budget allows,
+                # and none if their blocks do not fit (a guess is not worth a preemption).
                 seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+                if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
+                    seq.draft_token_ids = []
                 n += len(seq.draft_token_ids)
             # BEGIN SOLUTION ch07 make_room
             while not self.block_manager.can_grow(seq, n):
