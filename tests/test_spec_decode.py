@@ -334,3 +334,34 @@ def test_cli_flag_takes_json():
     add_engine_args(parser)
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     assert engine_args(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def test_penalised_requests_are_not_speculated(checkpoint):
+    """Penalties read the tokens a row has seen; a draft row would need its own history,
+    so such a request decodes one token a step, identically, beside speculated ones."""
+    plain = LLM(str(checkpoint), num_kv_blocks=256, block_size=8)
+    spec = LLM(str(checkpoint), num_kv_blocks=256, block_size=8, speculative_config=NGRAM)
+    prompts = [[21, 22, 23] * 8, [21, 22, 23] * 8]
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    got = spec.generate(prompts, params, use_tqdm=False)
+    same(plain.generate(prompts, params, use_tqdm=False), got)
+    assert got[0].spec_decode is None and got[1].spec_decode is not None
+
+
+@pytest.mark.gpu
+def test_greedy_identical_on_gpu_with_cuda_graphs():
+    """On a GPU: decode steps replay CUDA graphs, verifying steps run eagerly; the outputs
+    must still be those of speculation off, token for token, on the bundled model (in
+    float32: in bfloat16 a verifying chunk and a decode step may round a near tie apart)."""
+    text = open("/work/shared/corpus/austen.txt", encoding="utf-8").read()[300_000:300_600]
+    prompts = [text + "\n\n" + text[:300], text, "one two three four one two three four one two"] * 8
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, logprobs=1)
+    plain = LLM(device="cuda", dtype="float32", async_scheduling=False, gpu_memory_utilization=0.3)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    del plain
+    spec = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+               speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
+    assert spec.engine.runner.graph_replays and sum(spec.engine.runner.graph_replays.values()) > 0
+    assert accepted(spec) > 0
