@@ -201,6 +201,8 @@ def test_greedy_identical_with_and_without(checkpoint, engine_args, k):
     assert spec.engine.stats["spec_draft_tokens"] > accepted(spec), "no draft was ever rejected"
     if "max_num_batched_tokens" in engine_args:
         assert any(r.preempted for r in spec.engine.trace), "the tight pool never preempted"
+    # A decode verifying drafts is traced as a decode of 1 + d tokens.
+    assert any(kind == "decode" and n > 1 for r in spec.engine.trace for _, n, kind in r.seqs)
     bm = spec.engine.block_manager
     assert not spec.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
     bm.check_invariants([])

@@ -236,7 +236,9 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler is stuck: {self.scheduler.waiting[0]} cannot be admitted")
             return None
         trace = self._trace_before(batch) if self.config.record_trace else None
-        num_prefill_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if not is_decode(seq, n))
+        # (A decode verifying drafts is a decode: its drafts are not prompt tokens.)
+        num_prefill_tokens = sum(n for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                                 if not is_decode(seq, n - batch.drafts(i)))
         # The sequences that reach their last token this step get a token sampled; a prompt
         # with n completions gets n, one per fork, from its last token's logits.
         rows = [i for i in range(len(batch)) if batch.samples(i)]
@@ -354,6 +356,7 @@ class LLMEngine:
             scored = step.prompt_scores.to_host() if step.prompt_scores is not None else None
         self._waited += time.perf_counter() - wait_start
         accepted = self._verify(step, sampled) if any(step.drafts) else None
+        step.num_accepted = sum(accepted) if accepted else 0
         for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
         finished, touched = [], {}
@@ -438,7 +441,8 @@ class LLMEngine:
     def _account(self, step: "LaunchedStep", elapsed: float, finished: list[int]) -> None:
         """The step's share of the stats, and its trace record (with record_trace)."""
         phase = "prefill" if step.num_prefill_tokens else "decode"
-        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens if step.num_prefill_tokens else len(step.batch)
+        # (A decode step emits a token per sequence, and one per accepted draft.)
+        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens or len(step.batch) + step.num_accepted
         self.stats[f"{phase}_seconds"] += elapsed
         if step.trace is not None:
             self.trace.append(StepRecord(
@@ -453,8 +457,8 @@ class LLMEngine:
         """What the step's trace record needs from the batch before the step changes it
         (only with record_trace: at batch 256 it is a noticeable share of the host's time)."""
         return dict(
-            seqs=[(s.seq_id, n, "decode" if is_decode(s, n) else "prefill")
-                  for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            seqs=[(s.seq_id, n, "decode" if is_decode(s, n - batch.drafts(i)) else "prefill")
+                  for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))],
             preempted=[s.seq_id for s in batch.preempted],
             kv_tokens_read=sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)),
             attention_pairs=sum(n * s.num_computed_tokens + n * (n + 1) // 2
@@ -575,6 +579,7 @@ class LaunchedStep:
     # Speculative decoding: the drafts each request in ``requests`` verifies (most often
     # none); its sampler rows are len(drafts) + 1 consecutive ones.
     drafts: list[list[int]] = field(default_factory=list)
+    num_accepted: int = 0  # of those drafts, how many were accepted (known once processed)
 
 
 def profiler_range(name: str):
