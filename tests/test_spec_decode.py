@@ -367,3 +367,20 @@ def test_greedy_identical_on_gpu_with_cuda_graphs():
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
     assert spec.engine.runner.graph_replays and sum(spec.engine.runner.graph_replays.values()) > 0
     assert accepted(spec) > 0
+
+
+def test_block_manager_shrink_gives_back_the_blocks_past_the_end():
+    from minivllm.engine.block_manager import BlockManager
+    from minivllm.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Sequence(list(range(6)), SamplingParams())
+    bm.allocate(seq)
+    seq.num_computed_tokens = 6
+    bm.grow(seq, 1 + 5)  # the last token and 5 drafts: positions up to 11, three blocks
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    bm.shrink(seq, 7)  # one draft accepted: positions 0..6 are the sequence's
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    bm.check_invariants([seq])
+    bm.shrink(seq, 8)  # nothing past the end to give back
+    assert len(seq.block_table) == 2
