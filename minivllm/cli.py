@@ -49,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif kinds == {bool}:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=f"default: {'the engine decides' if default is None else default}")
+        elif kinds == {dict}:  # e.g. --speculative-config '{"method": "ngram", ...}'
+            group.add_argument(flag, type=json.loads, default=None, help="a JSON object; default: none")
         elif len(kinds) == 1 and kinds <= {int, float, str}:
             group.add_argument(flag, type=kinds.pop(), default=None,
                                help=f"default: {'the engine decides' if default is None else default}")

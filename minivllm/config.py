@@ -241,8 +241,25 @@ class EngineConfig:
     # checkpoint's generation_config.json; "vllm", none (SamplingParams' own); or a folder
     # holding a generation_config.json.
     generation_config: str = "auto"
+    # Speculative decoding (chapter 19), vLLM's dictionary: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}. None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self):
+        self.speculative = None
+        if self.speculative_config is not None:
+            from minivllm.spec_decode.config import SpeculativeConfig
+
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            # The proposer reads the tokens the last step accepted, so each step is processed
+            # before the next is scheduled: the synchronous loop, for now.
+            if self.async_scheduling:
+                raise ValueError("speculative_config needs async_scheduling=False: the proposer needs the "
+                                 "tokens the last step accepted on the host before it schedules the next")
+            self.async_scheduling = False
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config needs tensor_parallel_size=1 (not supported yet with "
+                                 "tensor parallelism)")
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda") and self.tensor_parallel_size == 1
         if self.async_scheduling and self.tensor_parallel_size > 1:

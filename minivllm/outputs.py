@@ -38,3 +38,21 @@ class RequestOutput:
     # Set when the engine failed this request alone (finish_reason "error"): what went wrong.
     # The other requests of its batch are unaffected.
     error: str | None = None
+    # Speculative decoding: how its drafts fared (None when it verified none).
+    spec_decode: "SpecDecodeMetrics | None" = None
+
+
+@dataclass
+class SpecDecodeMetrics:
+    num_draft_tokens: int  # drafts the target verified
+    num_accepted_tokens: int  # of those, accepted
+    num_steps: int  # steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying step: accepted drafts + the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0

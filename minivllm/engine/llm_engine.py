@@ -4,6 +4,7 @@ One ``step()`` = schedule → run the model on the batch → sample → update e
 (append its token, detokenise, check stop conditions) → free the blocks of those that
 finished. Everything a serving front end needs (streaming, aborts) is built on these calls.
 """
+import itertools
 import logging
 import time
 from contextlib import nullcontext
@@ -23,6 +24,8 @@ from minivllm.layers.logits_processors import TokenHistory
 from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
+from minivllm.spec_decode.ngram import propose_ngram
+from minivllm.spec_decode.verify import num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +82,19 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 model_config.vocab_size)
+        self.speculative = config.speculative  # SpeculativeConfig, or None: no speculation
+        if self.speculative is not None and self.runner.num_state_slots:
+            raise ValueError("speculative_config is not supported for hybrid models: their recurrent state "
+                             "cannot be rolled back past rejected draft tokens")
         self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
-                                    config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots))
+                                    config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
+                                    self.speculative is not None)
         self.requests: dict[str, RequestState] = {}
         self.trace: list[StepRecord] = []
         self.num_steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+        if self.speculative is not None:  # drafts verified, drafts accepted, verifying steps (per sequence)
+            self.stats.update(spec_draft_tokens=0, spec_accepted_tokens=0, spec_verify_steps=0)
         self.is_shut_down = False
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step on the device
         self._waited = 0.0  # this step's time waiting for the device's tokens
@@ -215,6 +225,8 @@ class LLMEngine:
     def _launch(self) -> "LaunchedStep | None":
         """Schedule a step and put it on the device; its tokens stay there for now."""
         hits_before = self.block_manager.cache_hit_tokens
+        if self.speculative is not None:
+            self._propose_drafts()
         with profiler_range("minivllm.schedule"):
             batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -224,7 +236,9 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler is stuck: {self.scheduler.waiting[0]} cannot be admitted")
             return None
         trace = self._trace_before(batch) if self.config.record_trace else None
-        num_prefill_tokens = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if not is_decode(seq, n))
+        # (A decode verifying drafts is a decode: its drafts are not prompt tokens.)
+        num_prefill_tokens = sum(n for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                                 if not is_decode(seq, n - batch.drafts(i)))
         # The sequences that reach their last token this step get a token sampled; a prompt
         # with n completions gets n, one per fork, from its last token's logits.
         rows = [i for i in range(len(batch)) if batch.samples(i)]
@@ -239,9 +253,17 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight.sampled is not None:
             previous = (self._in_flight.sampled.token_ids, self._in_flight.row_of)
         run_start = time.perf_counter()
-        history = token_history(requests, previous) if any(r.needs_history for r in requests) else None
-        args = ([r.seq.sampling_params for r in requests], [r.generator for r in requests],
-                [self.output_processor.banned(r) for r in requests], history)
+        # Speculative decoding: a sequence verifying d drafts gets d + 1 sampler rows, one per
+        # position (minivllm.spec_decode.verify); every other sequence gets one.
+        drafts, row_requests = [[]] * len(rows), requests
+        if batch.num_drafts:
+            drafts = [batch.seqs[i].draft_token_ids for i in rows]
+            row_requests = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
+            banned = [self.output_processor.banned(r, j) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        else:
+            banned = [self.output_processor.banned(r) for r in requests]
+        history = token_history(row_requests, previous) if any(r.needs_history for r in requests) else None
+        args = ([r.seq.sampling_params for r in row_requests], [r.generator for r in row_requests], banned, history)
         deferred = None
         if not any(r.grammar is not None for r in requests):
             sampled, prompt_scores = self.runner.run(batch, rows, *args[:3], previous, history)
@@ -262,9 +284,33 @@ class LLMEngine:
             self._fork(first)
         for request in requests:
             request.seq.num_pending += 1  # its token is on the device until this step is processed
-        return LaunchedStep(batch, requests, sampled, {r.seq.seq_id: j for j, r in enumerate(requests)},
+        row_of = {r.seq.seq_id: j for j, r in enumerate(requests)}
+        if batch.num_drafts:  # the drafts travel with the step now; a sequence's token is its last row's
+            for seq in batch.seqs:
+                seq.draft_token_ids = []
+            row_of = {r.seq.seq_id: e - 1 for e, r in zip(itertools.accumulate(len(d) + 1 for d in drafts), requests)}
+        return LaunchedStep(batch, requests, sampled, row_of,
                             num_prefill_tokens, self.block_manager.cache_hit_tokens - hits_before, run_seconds, trace,
-                            scoring, prompt_scores, deferred)
+                            scoring, prompt_scores, deferred, drafts)
+
+    def _propose_drafts(self) -> None:
+        """Give each running sequence in decode its n-gram drafts for the next step (at most
+        num_speculative_tokens, and never past max_tokens or max_model_len: the step emits up
+        to one token more than it has drafts). Runs with the synchronous loop only (see
+        EngineConfig.speculative_config), so every sequence's tokens are on the host."""
+        spec = self.speculative
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens == 0:
+                continue  # not a decode (a prompt, or a chunk of one, is still to compute)
+            if self._state(seq).needs_history:
+                continue  # penalties and bad words would need each draft row's own history
+            k = min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                k = min(k, max_tokens - seq.num_output_tokens - 1)
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
         """Which positions of the batch score a prompt token this step (the requests with
@@ -309,6 +355,8 @@ class LLMEngine:
             sampled = step.sampled.to_host() if step.sampled is not None else None  # waits for that step only
             scored = step.prompt_scores.to_host() if step.prompt_scores is not None else None
         self._waited += time.perf_counter() - wait_start
+        accepted = self._verify(step, sampled) if any(step.drafts) else None
+        step.num_accepted = sum(accepted) if accepted else 0
         for seq in step.batch.seqs:
             self.block_manager.commit_full_blocks(seq)
         finished, touched = [], {}
@@ -316,16 +364,23 @@ class LLMEngine:
             for request in self._take_prompt_scores(step, scored):  # those that failed
                 finished.append(request.seq.seq_id)
                 touched[request.seq.request_id] = request.group[0]
+        row = 0
         for j, request in enumerate(step.requests):
             seq = request.seq
             seq.num_pending -= 1
+            first, row = row, row + len(step.drafts[j]) + 1  # this request's sampler rows
             if self.requests.get(seq.request_id) is not request.group[0] or seq.is_finished:
                 continue  # aborted, or finished by an earlier step, while this one ran
-            if j in sampled.errors:
-                self._fail(request, sampled.errors[j])
+            emitted = range(first, first + (accepted[j] if accepted else 0) + 1)
+            failed = next((r for r in emitted if r in sampled.errors), None)
+            if failed is not None:
+                self._fail(request, sampled.errors[failed])
             else:
                 try:
-                    self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+                    for r in emitted:  # in order, each through every stop condition; stop at the first that ends it
+                        self._append_token(request, sampled.token_ids[r], sampled.logprobs[r])
+                        if seq.is_finished:
+                            break
                 except Exception as e:  # e.g. its detokenizer: this request's problem alone
                     logger.exception("processing the output of request %s failed", seq.request_id)
                     self._fail(request, f"processing its output failed: {type(e).__name__}")
@@ -340,6 +395,30 @@ class LLMEngine:
             if done or first.stream:
                 outputs.append(self.output_processor.make_output(first))
         return outputs, finished
+
+    def _verify(self, step: "LaunchedStep", sampled) -> list[int]:
+        """How many drafts each sampled request of the step accepted. The KV of rejected
+        positions stays in the pool past the sequence's end, to be overwritten; the sequence's
+        computed tokens and blocks are cut back to the accepted ones (before the full blocks
+        are hashed, so that only known tokens are)."""
+        accepted, row = [], 0
+        for request, drafts in zip(step.requests, step.drafts):
+            n = len(drafts)
+            a = num_accepted(drafts, sampled.token_ids[row : row + n + 1]) if n else 0
+            row += n + 1
+            accepted.append(a)
+            seq = request.seq
+            if not n or seq.is_finished:
+                continue
+            seq.num_computed_tokens -= n - a
+            self.block_manager.shrink(seq, seq.num_computed_tokens + 1)  # + 1: the token this step appends
+            request.num_draft_tokens += n
+            request.num_accepted_tokens += a
+            request.num_spec_steps += 1
+            self.stats["spec_draft_tokens"] += n
+            self.stats["spec_accepted_tokens"] += a
+            self.stats["spec_verify_steps"] += 1
+        return accepted
 
     def _take_prompt_scores(self, step: "LaunchedStep", scored) -> list[RequestState]:
         """Give each request the scores of its prompt tokens from this step; return those
@@ -362,7 +441,8 @@ class LLMEngine:
     def _account(self, step: "LaunchedStep", elapsed: float, finished: list[int]) -> None:
         """The step's share of the stats, and its trace record (with record_trace)."""
         phase = "prefill" if step.num_prefill_tokens else "decode"
-        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens if step.num_prefill_tokens else len(step.batch)
+        # (A decode step emits a token per sequence, and one per accepted draft.)
+        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens or len(step.batch) + step.num_accepted
         self.stats[f"{phase}_seconds"] += elapsed
         if step.trace is not None:
             self.trace.append(StepRecord(
@@ -377,8 +457,8 @@ class LLMEngine:
         """What the step's trace record needs from the batch before the step changes it
         (only with record_trace: at batch 256 it is a noticeable share of the host's time)."""
         return dict(
-            seqs=[(s.seq_id, n, "decode" if is_decode(s, n) else "prefill")
-                  for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            seqs=[(s.seq_id, n, "decode" if is_decode(s, n - batch.drafts(i)) else "prefill")
+                  for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))],
             preempted=[s.seq_id for s in batch.preempted],
             kv_tokens_read=sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)),
             attention_pairs=sum(n * s.num_computed_tokens + n * (n + 1) // 2
@@ -425,6 +505,7 @@ class RequestLimits:
     block_size: int
     max_num_seqs: int
     hybrid: bool  # a recurrent state slot per sequence (Gated DeltaNet layers)
+    speculative: bool = False  # speculative decoding is on (EngineConfig.speculative_config)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         vocab = self.vocab_size
@@ -465,6 +546,12 @@ class RequestLimits:
             if not set(params.allowed_token_ids) - set(banned):
                 raise InvalidParameter("SamplingParams.allowed_token_ids are all stop or EOS ids banned before "
                                        "min_tokens: nothing could be sampled", "allowed_token_ids")
+        if self.speculative:
+            for name, unsupported in (("n", params.n > 1), ("prompt_logprobs", params.prompt_logprobs is not None),
+                                      ("structured_outputs", params.structured_outputs is not None)):
+                if unsupported:
+                    raise InvalidParameter(f"SamplingParams.{name} is not supported with speculative_config "
+                                           "(speculative decoding) yet", name)
         bad = [t for ids in outputs.bad_word_ids(params) for t in ids if t >= vocab]
         if bad:
             raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
@@ -489,6 +576,10 @@ class LaunchedStep:
     # Structured output under asynchronous scheduling: (logits, sampling arguments) of a step
     # whose forward pass is on the device and whose sampling waits for its grammars' masks.
     deferred: tuple | None = None
+    # Speculative decoding: the drafts each request in ``requests`` verifies (most often
+    # none); its sampler rows are len(drafts) + 1 consecutive ones.
+    drafts: list[list[int]] = field(default_factory=list)
+    num_accepted: int = 0  # of those drafts, how many were accepted (known once processed)
 
 
 def profiler_range(name: str):

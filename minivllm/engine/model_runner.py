@@ -290,6 +290,8 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             ids = seq.token_ids[start : start + n]
+            if seq.draft_token_ids and len(ids) < n:  # speculative decoding: the drafts to verify
+                ids = ids + seq.draft_token_ids[: n - len(ids)]
             if len(ids) < n:  # the last input was sampled by the previous step, still on the device
                 pending_dst.append(len(input_ids) + len(ids))
                 pending_src.append(previous[1][seq.seq_id])
@@ -308,12 +310,12 @@ class ModelRunner:
         prompt_rows, prompt_targets, prompt_top_k = prompt_logprob_rows(batch, cu)
         step = StepInputs.pack(
             {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
-             "cu_seqlens_q": cu, "logits_indices": [cu[i + 1] - 1 for i in rows],  # each sampled sequence's last token
+             "cu_seqlens_q": cu, "logits_indices": logits_rows(batch, rows, cu),
              "pending_dst": pending_dst, "pending_src": pending_src,
              "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies],
              "prompt_rows": prompt_rows, "prompt_targets": prompt_targets},
             [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
-            max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))),
+            max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))) and not batch.num_drafts,
             prompt_top_k=prompt_top_k)
         input_ids, positions = self.upload(step, previous[0] if pending_dst else None)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
@@ -515,6 +517,17 @@ class ModelRunner:
         self.graphs[bs].replay()
         self.graph_replays[bs] += 1
         return s["hidden"][:n]
+
+
+def logits_rows(batch: ScheduledBatch, rows, cu: list[int]) -> list[int]:
+    """The flat-batch rows whose logits the sampler gets: each sampled sequence's last
+    token, and for one verifying d draft tokens (speculative decoding) its last d + 1 rows,
+    one per position a token is drawn at."""
+    out = []
+    for i in rows:
+        d = batch.drafts(i)
+        out.extend(range(cu[i + 1] - 1 - d, cu[i + 1]))
+    return out
 
 
 def prompt_logprob_rows(batch: ScheduledBatch, cu: list[int]) -> tuple[list[int], list[int], int]:

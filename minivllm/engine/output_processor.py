@@ -14,7 +14,7 @@ import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stop_strings import StopStrings, stop_strings
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, SpecDecodeMetrics
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
 
@@ -55,6 +55,10 @@ class RequestState:
     group: list["RequestState"] = field(default_factory=list)
     # Structured output (chapter 18): where this completion stands in its grammar, or None.
     grammar: "GrammarState | None" = None
+    # Speculative decoding: drafts verified, drafts accepted, steps that verified any.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
 
 class OutputProcessor:
@@ -103,10 +107,11 @@ class OutputProcessor:
             stop_strings=stop_strings(tuple(params.stop)) if params.stop else None,
             bad_words=bad_words, needs_history=params.uses_penalties or bool(bad_words))
 
-    def banned(self, request: RequestState) -> list[int]:
-        """What this request may not draw at this step."""
+    def banned(self, request: RequestState, position: int = 0) -> list[int]:
+        """What this request may not draw at this step (``position``: at its draft position
+        ``position``, speculative decoding, where that many more tokens precede the draw)."""
         seq = request.seq
-        num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens  # this step's token not counted yet
+        num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens + position  # this step's token not counted yet
         return request.banned if num_outputs < seq.sampling_params.min_tokens else []
 
     def append_token(self, request: RequestState, token: int, logprobs) -> str | None:
@@ -196,6 +201,8 @@ class OutputProcessor:
             num_cached_tokens=first.seq.num_cached_tokens,
             prompt_logprobs=first.prompt_logprobs if first.seq.sampling_params.prompt_logprobs is not None else None,
             error=next((r.error for r in request.group if r.error is not None), None),
+            spec_decode=SpecDecodeMetrics(first.num_draft_tokens, first.num_accepted_tokens, first.num_spec_steps)
+            if first.num_spec_steps else None,
         )
 
     def shown_text_len(self, request: RequestState) -> int:

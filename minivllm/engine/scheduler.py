@@ -27,6 +27,9 @@ class ScheduledBatch:
     # first position, count) for each run of positions whose logits score the prompt token
     # after them this step.
     prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
+    # Speculative decoding: of num_new_tokens[i], how many are draft tokens (computed after
+    # the sequence's last known token, to be verified). Empty: none this step.
+    num_drafts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -38,7 +41,12 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Does sequence i get a new token sampled this step (it reaches its last token)?"""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_scheduled_tokens
+        drafts = self.num_drafts[i] if self.num_drafts else 0
+        return seq.num_computed_tokens + self.num_new_tokens[i] - drafts == seq.num_scheduled_tokens
+
+    def drafts(self, i: int) -> int:
+        """How many draft tokens sequence i verifies this step."""
+        return self.num_drafts[i] if self.num_drafts else 0
 
 
 class Scheduler:
@@ -68,6 +76,13 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids:
+                # A decode with drafts: its last token and as many drafts as the budget allows,
+                # and none if their blocks do not fit (a guess is not worth a preemption).
+                seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+                if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
+                    seq.draft_token_ids = []
+                n += len(seq.draft_token_ids)
             # BEGIN SOLUTION ch07 make_room
             while not self.block_manager.can_grow(seq, n):
                 victim = self.running[-1]
@@ -100,11 +115,14 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
         batch.block_copies = self.block_manager.take_block_copies()
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

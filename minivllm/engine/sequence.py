@@ -38,6 +38,10 @@ class Sequence:
         self.index = 0
         self.num_forks = 0
         self.num_preemptions = 0
+        # Speculative decoding (chapter 19): tokens proposed to follow token_ids, which the
+        # next step verifies; set by the engine before scheduling, cut by the scheduler to
+        # what its budget allows.
+        self.draft_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -51,6 +51,12 @@ class ServerMetrics:
                               ["model_name"], buckets=TTFT_BUCKETS, registry=registry).labels(**label)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Between two outputs of one request",
                              ["model_name"], buckets=ITL_BUCKETS, registry=registry).labels(**label)
+        # Speculative decoding (vLLM's names): drafts verified and accepted, counted as each
+        # request finishes.
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         ["model_name"], registry=registry).labels(**label)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            ["model_name"], registry=registry).labels(**label)
         self.model_name = model_name
         self.num_cache_queries = self.num_cache_hits = 0  # the counters' totals, for the hit rate
 
@@ -94,6 +100,9 @@ class ServerMetrics:
                     last, num_tokens = now, n
                     if output.finished:
                         reason = output.outputs[0].finish_reason or "stop"
+                        if output.spec_decode is not None:
+                            self.spec_draft_tokens.inc(output.spec_decode.num_draft_tokens)
+                            self.spec_accepted_tokens.inc(output.spec_decode.num_accepted_tokens)
                     yield output
         except Exception:  # the engine failed the request (RequestFailedError) or died
             reason = "error"

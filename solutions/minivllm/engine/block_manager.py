@@ -154,6 +154,17 @@ class BlockManager:
         for _ in range(self.blocks_to_grow(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks at the end of seq's table that hold none of its first
+        num_tokens positions (speculative decoding: blocks taken for drafts that were
+        rejected). They were filled by this sequence alone and never hashed."""
+        keep = seq.num_blocks_needed(self.block_size, num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
+
     def _shared_block_to_write(self, seq: Sequence) -> int | None:
         """Where in seq's table the block it writes next is, if another sequence holds it
         too: a partly filled block that forks of one prompt share (full blocks are never

@@ -1,0 +1,26 @@
+"""Speculative decoding (chapter 19): propose a few tokens cheaply, verify them all in one
+forward pass of the target model. See ``ngram`` for the proposer and ``verify`` for the
+acceptance rule.
+
+Decoding is memory-bound: a decode step reads every weight to compute one token per
+sequence, and computing 1 + d tokens per sequence reads them once too. If the proposer
+guesses right a share of the time, each step yields more than one token for about the
+price of one. The engine side (``LLMEngine._propose_drafts`` and ``_verify``): a sequence
+with d drafts is scheduled as a (1 + d)-token chunk over the paged cache, like a prefill
+chunk; the sampler gets a row for each of its 1 + d positions; the accepted tokens go
+through the ordinary append path one by one (stop strings, EOS, max_tokens, logprobs), and
+the sequence's computed tokens and blocks are cut back past the rejected ones, whose KV
+lies beyond its end and is overwritten later.
+
+Limits of this first version: the engine runs the synchronous loop (the proposer needs the
+accepted tokens on the host before it schedules the next step); a verifying step has
+several tokens per sequence, so it runs eagerly, not in a decode CUDA graph; requests
+with penalties or bad words are not speculated (each draft row would need its own token
+history); hybrid models, tensor parallelism, n > 1, prompt_logprobs and structured outputs
+are refused.
+"""
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.ngram import propose_ngram
+from minivllm.spec_decode.verify import num_accepted
+
+__all__ = ["SpeculativeConfig", "propose_ngram", "num_accepted"]
