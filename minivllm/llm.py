@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineConfig, generation_defaults
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, truncated
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.tokenizer import encode_chat, load_tokenizer, message_text
@@ -107,14 +107,13 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         tokenized = [self._tokenize(p) for p in prompts]
-        for i, (ids, _) in enumerate(tokenized):
-            try:
-                self.engine.validate_prompt(ids)
+        for i, ((ids, _), params) in enumerate(zip(tokenized, sampling_params)):
+            params = params or SamplingParams()
+            try:  # the prompt, and its parameters against this model
+                self.engine.validate_request(truncated(ids, params), params)
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        for params in {id(p): p for p in sampling_params}.values():
-            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-                self.engine.validate_structured(params)  # a bad schema or grammar: before any is queued
+                e.args = (f"prompt {i}: {e}",)  # (an InvalidParameter stays one, naming its field)
+                raise
         ids = []
         for (token_ids, text), params in zip(tokenized, sampling_params):
             self._counter += 1

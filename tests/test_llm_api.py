@@ -359,3 +359,21 @@ def test_shutdown_frees_the_engine_and_refuses_new_work(tiny_qwen3_with_tokenize
     with pytest.raises(RuntimeError, match="shut down"):
         llm.engine.step()
     llm.shutdown()  # a second call does nothing
+
+
+def test_a_batch_with_one_bad_request_queues_none(llm):
+    """Every request of a batch is checked against the model before any is queued: a later
+    one with a token id outside the vocabulary leaves the engine with nothing to do, and
+    the error names the prompt and the field. A prompt that truncate_prompt_tokens brings
+    under the limit passes the same check."""
+    from minivllm.sampling_params import InvalidParameter
+
+    vocab = llm.engine.runner.model_config.vocab_size
+    good, bad = SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logit_bias={vocab + 5: 1.0})
+    with pytest.raises(InvalidParameter, match="prompt 1: .*logit_bias") as info:
+        llm.generate([[5, 6, 7], [8, 9]], [good, bad], use_tqdm=False)
+    assert info.value.param == "logit_bias"
+    assert not llm.engine.has_unfinished_requests()
+    long_prompt = [5] * (llm.engine.runner.max_model_len + 10)
+    out = llm.generate([long_prompt], SamplingParams(max_tokens=2, truncate_prompt_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -113,8 +113,7 @@ class LLMEngine:
         """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
         self._check_running()
         params = sampling_params or SamplingParams()
-        if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
-            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens :]  # the last k, as in vLLM
+        prompt_token_ids = truncated(prompt_token_ids, params)
         self.validate_request(prompt_token_ids, params)
         first = Sequence(prompt_token_ids, params, request_id)
         if first.request_id in self.requests:
@@ -556,6 +555,13 @@ class RequestLimits:
         if bad:
             raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
                                    f"model's vocabulary [0, {vocab})", "bad_words")
+
+
+def truncated(prompt_token_ids, params: SamplingParams):
+    """The prompt the engine runs: with truncate_prompt_tokens, its last k ids, as in vLLM."""
+    if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
+        return prompt_token_ids[-params.truncate_prompt_tokens :]
+    return prompt_token_ids
 
 
 @dataclass
