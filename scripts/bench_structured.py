@@ -74,8 +74,8 @@ def main() -> None:
     from minivllm.structured import StructuredOutputsParams
 
     path = checkpoint_with_tokenizer()
-    prompts, lens = make_workload(args.num_requests, vocab=8192)
-    warm, _ = make_workload(16, seed=12345, vocab=8192)
+    prompts, lens = make_workload(args.num_requests, max_token_id=8191)
+    warm, _ = make_workload(16, seed=12345, max_token_id=8191)
     so = StructuredOutputsParams(json=SCHEMA)
     report = {"device": torch.cuda.get_device_name(), "schema": SCHEMA}
     for async_scheduling in (True, False):
