@@ -36,6 +36,6 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
             "of n tokens equal to it (starting at 0 .. length - n - 1, so that the suffix does not "
             "match itself); if there is one, return the at most k tokens that follow the most "
             "recent, starting right after it, as a list of ints; if none, fall through to the next "
-            "shorter n, see the chapter 19 notebook"
+            "shorter n, see notebooks/19_speculative_decoding.ipynb"
         )
     return []

@@ -90,8 +90,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
             "ch19: accept_or_residual: accept draft x (append it to emitted, continue with the "
             "next position) when uniforms[j] < min(1, p[x] / q[x]); otherwise set residual = max(p "
             "- q, 0) elementwise (torch.clamp; unnormalised: the draw below normalises it), the "
-            "distribution the token of a rejected position is drawn from, see the chapter 19 "
-            "notebook"
+            "distribution the token of a rejected position is drawn from, see "
+            "notebooks/19_speculative_decoding.ipynb"
         )
         emitted.append(_draw(residual, p, generator))
         return emitted
