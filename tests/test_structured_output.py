@@ -318,3 +318,25 @@ def test_rebuilt_matcher_allows_what_the_live_one_does(llm):
     assert torch.equal(fill_bitmask([live], vocab), fill_bitmask([rebuilt], vocab))
     with pytest.raises(ValueError, match="not allowed by the grammar"):
         GrammarState.rebuild(compiled, [out.token_ids[0], out.token_ids[0]])  # "{{" is no JSON
+
+
+def test_a_large_batch_fills_on_threads_what_row_by_row_fills(llm):
+    """From BATCH_FILL_ROWS rows the matchers fill through xgrammar's batch matcher: the same
+    bits as one row at a time, rows without a grammar or finished left all ones."""
+    from minivllm.structured import matcher
+
+    out = run(llm, StructuredOutputsParams(json=PERSON), n_seeds=1, max_tokens=20)[0]
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(json=PERSON))
+    states = []
+    for i in range(12):  # grammars at different points of the same output, and empty rows
+        state = GrammarState(compiled)
+        for t in out.token_ids[: i * 2]:
+            assert state.accept(t)
+        states.append(state if i % 4 else None)
+    vocab = llm.engine.runner.model_config.vocab_size
+    batched = fill_bitmask(states, vocab)
+    assert len([s for s in states if s]) >= matcher.BATCH_FILL_ROWS
+    for row, state in enumerate(states):
+        one = fill_bitmask([state], vocab)[0]  # below the threshold: row by row
+        assert torch.equal(batched[row], one), row
+    assert (batched[0] == -1).all() and not (batched[1] == -1).all()
