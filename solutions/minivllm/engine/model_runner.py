@@ -484,15 +484,9 @@ class ModelRunner:
         s = self.static
         pool = None
         for bs in reversed(self.graph_sizes):
-            graph = torch.cuda.CUDAGraph()
             self._set_decode_context(bs)
-            s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])  # warm-up: compile kernels
-            with torch.cuda.graph(graph, pool):
-                s["hidden"][:bs] = self.model(s["input_ids"][:bs], s["positions"][:bs])
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-            reset_context()
+            self.graphs[bs] = self._capture(s, bs, pool)
+            pool = pool or self.graphs[bs].pool()
         self.graph_replays = dict.fromkeys(self.graph_sizes, 0)  # how often each graph ran
         # Hybrid models' recurrent layers choose their kernels on the host from each step's
         # chunk lengths, and a tensor-parallel group would have to capture the same graphs on
@@ -529,15 +523,20 @@ class ModelRunner:
             set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"], slot_mapping=s["slot_mapping"][:t],
                         context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
                         max_context_len=self.max_model_len)
-            graph = torch.cuda.CUDAGraph()
-            s["hidden"][:t] = self.model(s["input_ids"][:t], s["positions"][:t])  # warm-up: compile kernels
-            with torch.cuda.graph(graph, pool):
-                s["hidden"][:t] = self.model(s["input_ids"][:t], s["positions"][:t])
-            pool = pool or graph.pool()
-            self.prefill_graphs[t] = graph
-            torch.cuda.synchronize()
-            reset_context()
+            self.prefill_graphs[t] = self._capture(s, t, pool)
         self.prefill_graph_replays = dict.fromkeys(self.prefill_graph_sizes, 0)
+
+    def _capture(self, s: dict, n: int, pool) -> torch.cuda.CUDAGraph:
+        """Run the model on the first n rows of the static inputs ``s`` once (Triton compiles
+        its kernels here), then capture the same pass into a graph in the shared memory
+        ``pool``. The caller has set the Context the pass reads."""
+        graph = torch.cuda.CUDAGraph()
+        s["hidden"][:n] = self.model(s["input_ids"][:n], s["positions"][:n])
+        with torch.cuda.graph(graph, pool):
+            s["hidden"][:n] = self.model(s["input_ids"][:n], s["positions"][:n])
+        torch.cuda.synchronize()
+        reset_context()
+        return graph
 
     def _set_decode_context(self, bs: int) -> None:
         s = self.static
