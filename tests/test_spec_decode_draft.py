@@ -174,6 +174,30 @@ def test_incremental_drafts_match_a_fresh_prefill(tiny_draft):
     assert incremental.states == {} and incremental.num_free_blocks == 200
 
 
+def test_drafts_through_the_triton_kernels(tiny_draft, monkeypatch):
+    """On a GPU the draft's passes run the paged Triton attention kernels (here in Triton's
+    interpreter) on the metadata the proposer builds: they must draft what the torch
+    reference drafts, through chunked catch-ups, one-token passes and cut-backs."""
+    import minivllm.ops.attention as attention
+    from minivllm.config import EngineConfig
+
+    spec = SpeculativeConfig.from_dict(draft(tiny_draft))
+    config = EngineConfig(model=str(tiny_draft), block_size=4, max_num_batched_tokens=16)
+    reference, kernels = DraftModelProposer(spec, config), DraftModelProposer(spec, config)
+    reference.allocate(100)
+    kernels.allocate(100)
+    rng = random.Random(1)
+    seqs = [Sequence([rng.randrange(3, 512) for _ in range(rng.randint(1, 20))], SamplingParams()) for _ in range(4)]
+    for _ in range(4):
+        ks = [rng.randint(1, 4) for _ in seqs]
+        want = reference.propose(seqs, ks)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "use_triton", lambda x: True)
+            assert kernels.propose(seqs, ks) == want
+        for seq, drafts in zip(seqs, want):
+            seq.token_ids += drafts[: rng.randint(0, len(drafts))] + [rng.randrange(3, 512)]
+
+
 def test_the_target_as_its_own_draft_is_always_right():
     """With the target as its own draft, a greedy draft is the target's own next token: every
     one must be accepted, which holds only if the draft's passes (catch-up chunks, then one

@@ -36,6 +36,7 @@ same attention ops as the target's, through the Context.
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minivllm.context import reset_context, set_context
@@ -46,6 +47,8 @@ from minivllm.spec_decode.config import SpeculativeConfig
 
 # The draft trained for the bundled model (scripts/train_tiny_model.py), where it is shipped.
 BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "draft"
+# Each field of a pass's metadata starts at a multiple of this many int64s (128 bytes).
+FIELD_ALIGN = 16
 
 
 @dataclass
@@ -203,15 +206,26 @@ class DraftModelProposer:
         context_lens = [s + n for s, n in zip(starts, lengths)]
         width = max(len(s.block_table) for s in states)
         tables = [b for s in states for b in s.block_table + [-1] * (width - len(s.block_table))]
-        # The step's metadata in one host-to-device copy, cut into views.
-        flat = torch.tensor(positions + slots + context_lens + cu + tables, dtype=torch.long).to(self.device)
-        t, r = len(positions), len(states)
-        fields = torch.split(flat, [t, t, r, r + 1, r * width])
-        set_context(is_prefill=max(lengths) > 1, cu_seqlens_q=fields[3], slot_mapping=fields[1],
-                    context_lens=fields[2], block_tables=fields[4].view(r, width),
-                    max_seqlen_q=max(lengths), max_context_len=max(context_lens))
+        positions, slots, context_lens_d, cu_d, tables_d = self._upload([positions, slots, context_lens, cu, tables])
+        set_context(is_prefill=max(lengths) > 1, cu_seqlens_q=cu_d, slot_mapping=slots, context_lens=context_lens_d,
+                    block_tables=tables_d.view(len(states), width), max_seqlen_q=max(lengths),
+                    max_context_len=max(context_lens))
         try:
-            hidden = self.model(input_ids, fields[0])
+            hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden).argmax(dim=-1)
         finally:
             reset_context()
+
+    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
+        """A pass's metadata in one host-to-device copy, cut into views, each starting on a
+        FIELD_ALIGN boundary as the model runner's do (Triton compiles a kernel again for a
+        pointer whose 16-byte alignment changed)."""
+        starts, end = [], 0
+        for f in fields:
+            starts.append(end)
+            end += -(-len(f) // FIELD_ALIGN) * FIELD_ALIGN
+        host = np.zeros(end, dtype=np.int64)
+        for f, start in zip(fields, starts):
+            host[start : start + len(f)] = f
+        flat = torch.from_numpy(host).to(self.device)
+        return [flat[start : start + len(f)] for f, start in zip(fields, starts)]
