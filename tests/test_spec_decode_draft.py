@@ -125,6 +125,27 @@ def test_cli_flag_takes_a_draft_model(bundled_draft):
     assert len(out.outputs[0].token_ids) == 8 and out.spec_decode is not None
 
 
+def test_serve_with_a_draft_model(bundled_draft):
+    """``minivllm serve --speculative-config '{"model": ...}'``, the engine core in a process
+    of its own: the completion is the offline one, and /metrics counts the drafts."""
+    import httpx
+
+    from minivllm.testing import ServeProcess
+
+    prompt = corpus_prompts(1)[0]
+    [want] = LLM(num_kv_blocks=256).generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    flag = json.dumps(draft(bundled_draft))
+    with ServeProcess(["--engine-process", "--num-kv-blocks", "256", "--speculative-config", flag],
+                      env={"OMP_NUM_THREADS": "1"}) as server:
+        body = {"model": "bundled", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        page = httpx.get(server.url + "/metrics", timeout=10).text
+    assert got["choices"][0]["text"] == want.outputs[0].text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+              if line.startswith("vllm:spec_decode_num_")}
+    assert values["vllm:spec_decode_num_draft_tokens_total"] > values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+
+
 def test_the_kv_budget_pays_for_the_draft_cache(bundled_draft):
     """On the CPU the pool is cpu_kv_cache_space: with a draft, its blocks share it."""
     plain = LLM(cpu_kv_cache_space=0.01)
@@ -364,18 +385,20 @@ def test_acceptance_metrics_add_up(bundled_draft):
 
 def test_shipped_draft():
     """The draft in minivllm/assets/draft: small, installed with the package, sharing the
-    bundled model's tokenizer, and a trained one: more than a fifth of its drafts accepted on
-    the text it was trained on (greedy, k = 3; a random draft of this vocabulary gets about
-    one in a thousand)."""
+    bundled model's tokenizer, and a trained one: with k = 1 (each draft the draft's guess at
+    the target's next token) more than 30% accepted on the text it was trained on, greedy.
+    (A random draft of this vocabulary gets about one in a thousand; a draft trained for 8
+    minutes on two CPU cores, 27%.)"""
     assert (BUNDLED_DRAFT / "config.json").is_file(), f"no draft model shipped in {BUNDLED_DRAFT}"
     size = sum(f.stat().st_size for f in BUNDLED_DRAFT.glob("*.safetensors"))
     assert size <= 5 * 2**20, f"the shipped draft's weights take {size} bytes: more than 5 MiB"
     pyproject = (BUNDLED_MODEL.parents[2] / "pyproject.toml").read_text()
     assert 'minivllm = ["assets/**/*"]' in pyproject  # package data: the draft is installed with the package
-    spec = LLM(num_kv_blocks=256, speculative_config=draft(BUNDLED_DRAFT, 3))
+    spec = LLM(num_kv_blocks=256, speculative_config=draft(BUNDLED_DRAFT, 1))
     spec.generate(corpus_prompts(4), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     s = stats(spec)
-    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.2
+    print(f"acceptance {s['spec_accepted_tokens'] / s['spec_draft_tokens']:.3f}")
+    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.3
 
 
 # -- the GPU ----------------------------------------------------------------------------

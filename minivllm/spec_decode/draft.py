@@ -33,8 +33,11 @@ one token per sequence; the drafts stay on the device until all k are made, so a
 two waits for the device whatever k. The passes run eagerly (no CUDA graph), and on the
 same attention ops as the target's, through the Context.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +47,10 @@ from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.loader import load_model
 from minivllm.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
+    from minivllm.engine.sequence import Sequence
 
 # The draft trained for the bundled model (scripts/train_tiny_model.py), where it is shipped.
 BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "draft"
@@ -76,7 +83,7 @@ class DraftState:
 class DraftModelProposer:
     """Greedy drafts from a small model with its own paged KV cache (see the module)."""
 
-    def __init__(self, spec: SpeculativeConfig, config):
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig):
         self.device = torch.device(config.device)
         self.model = load_model(spec.model, dtype=config.dtype, device=self.device)
         if any(isinstance(m, GatedDeltaNet) for m in self.model.modules()):
@@ -95,20 +102,21 @@ class DraftModelProposer:
         self.kv: torch.Tensor | None = None
 
     def allocate(self, num_blocks: int) -> None:
-        """The draft's KV pool: [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]."""
+        """The draft's KV pool: [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim],
+        every block free (what a previous pool held is forgotten)."""
         first = self.layers[0]
         self.kv = torch.empty(2, len(self.layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
                               dtype=next(self.model.parameters()).dtype, device=self.device)
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
-        self.num_blocks = num_blocks
+        self.num_blocks, self.states = num_blocks, {}
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def forget(self, seq) -> None:
+    def forget(self, seq: Sequence) -> None:
         state = self.states.pop(seq.seq_id, None)
         if state is not None:
             self.free_blocks.extend(reversed(state.block_table))
@@ -126,7 +134,7 @@ class DraftModelProposer:
         return True
 
     @torch.inference_mode()
-    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """At most ``ks[i]`` greedy drafts to follow each sequence's tokens."""
         drafts: list[list[int]] = [[] for _ in seqs]
         rows = []  # (index in seqs, state, first position to feed, k)
@@ -163,7 +171,7 @@ class DraftModelProposer:
             state.fed_drafts = drafts[i][: k - 1]
         return drafts
 
-    def _catch_up(self, seqs, rows) -> torch.Tensor:
+    def _catch_up(self, seqs: list[Sequence], rows: list[tuple]) -> torch.Tensor:
         """Feed each row's sequence its tokens from the row's start; return the first draft
         of each row (on the device). A pass takes at most max_num_batched_tokens tokens, so
         long catch-ups (a sequence seen for the first time) take several."""
