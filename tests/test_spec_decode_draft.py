@@ -19,7 +19,20 @@ from minivllm.testing import make_layer_skip_draft, make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CORPUS = "/work/shared/corpus/austen.txt"
+# Openings from the corpus the bundled model (and its draft) learnt from.
+PASSAGES = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+    "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to unite "
+    "some of the best blessings of existence; and had lived nearly twenty-one years in the world with very "
+    "little to distress or vex her.",
+    "The family of Dashwood had long been settled in Sussex. Their estate was large, and their residence was at "
+    "Norland Park, in the centre of their property, where, for many generations, they had lived in so "
+    "respectable a manner as to",
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and arrows "
+    "of outrageous fortune, Or to take arms against a sea of troubles, And by opposing end them.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +86,8 @@ def assert_all_given_back(llm) -> None:
     assert sorted(proposer.free_blocks) == list(range(proposer.num_blocks))  # each once
 
 
-def corpus_prompts(n: int, chars: int = 300) -> list[str]:
-    text = open(CORPUS, encoding="utf-8").read()
-    return [text[text.index(" ", 250_000 + i * 50_021) + 1 :][:chars] for i in range(n)]
+def passages(n: int) -> list[str]:
+    return PASSAGES[:n]
 
 
 # -- configuration -----------------------------------------------------------------------
@@ -132,7 +144,7 @@ def test_serve_with_a_draft_model(bundled_draft):
 
     from minivllm.testing import ServeProcess
 
-    prompt = corpus_prompts(1)[0]
+    prompt = passages(1)[0]
     [want] = LLM(num_kv_blocks=256).generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     flag = json.dumps(draft(bundled_draft))
     with ServeProcess(["--engine-process", "--num-kv-blocks", "256", "--speculative-config", flag],
@@ -225,7 +237,7 @@ def test_the_target_as_its_own_draft_is_always_right():
     token at a time, at the right positions over its own cache) compute what the target does.
     (Float32; a near tie could in principle round apart, hence not quite 1.)"""
     spec = LLM(num_kv_blocks=256, speculative_config=draft(BUNDLED_MODEL, 4))
-    spec.generate(corpus_prompts(3) + ["Once upon a time"], SamplingParams(temperature=0, max_tokens=40,
+    spec.generate(passages(3) + ["Once upon a time"], SamplingParams(temperature=0, max_tokens=40,
                                                                            ignore_eos=True), use_tqdm=False)
     s = stats(spec)
     assert s["spec_draft_tokens"] > 100
@@ -261,7 +273,7 @@ def test_a_full_pool_means_no_drafts_not_an_error(tiny_target, tiny_draft):
 def test_bundled_model_greedy_identical(bundled_draft, k):
     plain = LLM(num_kv_blocks=256)
     spec = LLM(num_kv_blocks=256, record_trace=True, speculative_config=draft(bundled_draft, k))
-    prompts = corpus_prompts(3) + ["Once upon a time", "To be, or not to be"]
+    prompts = passages(3) + ["Once upon a time", "To be, or not to be"]
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
@@ -318,7 +330,7 @@ def test_greedy_identical_with_chunking_and_preemption(tiny_target, tiny_draft):
 def test_max_tokens_and_stop_strings(bundled_draft):
     plain = LLM(num_kv_blocks=128)
     spec = LLM(num_kv_blocks=128, speculative_config=draft(bundled_draft, 5))
-    prompt = corpus_prompts(1)[0]
+    prompt = passages(1)[0]
     for max_tokens in (1, 2, 3, 7, 12):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         got = spec.generate([prompt], params, use_tqdm=False)
@@ -339,7 +351,7 @@ def test_abort_gives_the_draft_state_back(bundled_draft):
     llm = LLM(num_kv_blocks=128, speculative_config=draft(bundled_draft))
     engine, proposer = llm.engine, llm.engine.proposer
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    ids = [engine.add_request(llm.tokenizer.encode(p), params) for p in corpus_prompts(3)]
+    ids = [engine.add_request(llm.tokenizer.encode(p), params) for p in passages(3)]
     for _ in range(4):
         engine.step()
     seqs = {seq.request_id: seq for seq in engine.scheduler.running}
@@ -355,7 +367,7 @@ def test_abort_gives_the_draft_state_back(bundled_draft):
 
 def test_seeded_sampling_reproducible(bundled_draft):
     spec = LLM(num_kv_blocks=256, speculative_config=draft(bundled_draft))
-    prompts = corpus_prompts(3)
+    prompts = passages(3)
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
     first = spec.generate(prompts, params, use_tqdm=False)
     again = spec.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]  # another batch order
@@ -367,7 +379,7 @@ def test_seeded_sampling_reproducible(bundled_draft):
 
 def test_acceptance_metrics_add_up(bundled_draft):
     spec = LLM(num_kv_blocks=256, speculative_config=draft(bundled_draft, 3))
-    outs = spec.generate(corpus_prompts(4), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+    outs = spec.generate(passages(4), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                          use_tqdm=False)
     s = stats(spec)
     metrics = [o.spec_decode for o in outs]
@@ -386,19 +398,19 @@ def test_acceptance_metrics_add_up(bundled_draft):
 def test_shipped_draft():
     """The draft in minivllm/assets/draft: small, installed with the package, sharing the
     bundled model's tokenizer, and a trained one: with k = 1 (each draft the draft's guess at
-    the target's next token) more than 30% accepted on the text it was trained on, greedy.
-    (A random draft of this vocabulary gets about one in a thousand; a draft trained for 8
-    minutes on two CPU cores, 27%.)"""
+    the target's next token) more than 35% accepted on text it was trained on, greedy. (A
+    random draft of this vocabulary gets about one in a thousand; one trained for 8 minutes
+    on two CPU cores, 33%.)"""
     assert (BUNDLED_DRAFT / "config.json").is_file(), f"no draft model shipped in {BUNDLED_DRAFT}"
     size = sum(f.stat().st_size for f in BUNDLED_DRAFT.glob("*.safetensors"))
     assert size <= 5 * 2**20, f"the shipped draft's weights take {size} bytes: more than 5 MiB"
     pyproject = (BUNDLED_MODEL.parents[2] / "pyproject.toml").read_text()
     assert 'minivllm = ["assets/**/*"]' in pyproject  # package data: the draft is installed with the package
     spec = LLM(num_kv_blocks=256, speculative_config=draft(BUNDLED_DRAFT, 1))
-    spec.generate(corpus_prompts(4), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    spec.generate(passages(4), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     s = stats(spec)
     print(f"acceptance {s['spec_accepted_tokens'] / s['spec_draft_tokens']:.3f}")
-    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.3
+    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.35
 
 
 # -- the GPU ----------------------------------------------------------------------------
@@ -409,7 +421,7 @@ def test_greedy_identical_on_gpu(bundled_draft):
     target's decode steps replay CUDA graphs and its verifying steps run eagerly; the
     outputs must still be those of speculation off, token for token (in float32: in
     bfloat16 a verifying chunk and a decode step may round a near tie apart)."""
-    prompts = corpus_prompts(8, chars=600) + ["Once upon a time"] * 4
+    prompts = PASSAGES * 2 + ["Once upon a time"] * 4
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, logprobs=1)
     plain = LLM(device="cuda", dtype="float32", async_scheduling=False, gpu_memory_utilization=0.3)
     want = plain.generate(prompts, params, use_tqdm=False)
