@@ -242,7 +242,8 @@ class EngineConfig:
     # holding a generation_config.json.
     generation_config: str = "auto"
     # Speculative decoding (chapter 19), vLLM's dictionary: {"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}. None: off.
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or
+    # {"model": draft_folder, "num_speculative_tokens": k} (method "draft_model"). None: off.
     speculative_config: dict | None = None
 
     def __post_init__(self):
@@ -251,6 +252,8 @@ class EngineConfig:
             from minivllm.spec_decode.config import SpeculativeConfig
 
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.speculative.method == "draft_model":  # before any weights are loaded
+                self.speculative.check_target(ModelConfig.from_pretrained(self.model))
             # The proposer reads the tokens the last step accepted, so each step is processed
             # before the next is scheduled: the synchronous loop, for now.
             if self.async_scheduling:

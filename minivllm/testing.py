@@ -155,6 +155,42 @@ def make_tiny_checkpoint(
     return path
 
 
+def make_layer_skip_draft(target: str | Path, path: str | Path, num_layers: int, noise: float = 0.0,
+                          seed: int = 0) -> Path:
+    """Write a draft model for ``target`` (a Qwen3/Llama-style checkpoint): its first
+    ``num_layers`` layers, with its embeddings, final norm and head, and Gaussian noise of
+    ``noise`` times each tensor's standard deviation added. Return the path.
+
+    Such a model shares the target's tokenizer and agrees with it often but not always
+    (more layers and less noise: more often), so speculative decoding on it both accepts
+    and rejects drafts: what tests of a draft proposer need when no trained draft is at
+    hand. (Early-exit drafts of this kind are known as self-speculative or layer-skip.)"""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm.safetensors_index import safetensors_files
+
+    target, path = Path(target), Path(path)
+    config = json.loads((target / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers={num_layers} must be in [1, {config['num_hidden_layers']}]")
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for file in safetensors_files(target):
+        for name, t in load_file(file).items():
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+                continue
+            if noise:
+                t = (t.float() + torch.randn(t.shape, generator=generator) * noise * t.float().std()).to(t.dtype)
+            tensors[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, model_max_length: int = 512) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens on TOKENIZER_TEXT and save it in ``path``.
 

@@ -46,10 +46,12 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  benches="${BENCHES:-kernels latency throughput moe gated-delta serving structured} $([ $multi_gpu = yes ] && echo tp)"
+  benches="${BENCHES:-kernels latency throughput moe gated-delta serving structured spec} $([ $multi_gpu = yes ] && echo tp)"
   for which in $benches; do
     if [ $which = structured ]; then  # chapter 18: a script of its own
       command="python3 scripts/bench_structured.py --out benchmarks/structured.json"
+    elif [ $which = spec ]; then  # chapter 19: n-gram and draft-model speculation on the bundled model
+      command="python3 scripts/bench_spec.py --device cuda --out benchmarks/spec_decode.json"
     else
       command="python3 -m minivllm.cli bench $which --out benchmarks"
     fi

@@ -18,6 +18,21 @@ Two steps:
 The defaults are the settings of the shipped model; the command above is the exact one
 that trained it (benchmarks/bundled_model_training.json records it, with every loss).
 
+The draft model for speculative decoding (minivllm/assets/draft, chapter 19) is trained by
+the same script: a smaller shape, and ``--teacher`` to distil the bundled model into it. A
+draft's job is to guess what the target would emit, so beside the corpus's next token it
+learns the target's whole next-token distribution (the KL divergence from the teacher's,
+mixed with the corpus loss by ``--distill-weight``), and the checkpoint kept is the one
+whose greedy token agrees with the teacher's most often on the validation text (that
+agreement is the chance that a greedy request accepts a draft that follows text it knows).
+``--distill-weight 0`` trains on the corpus alone, the teacher only picking the checkpoint.
+
+    python scripts/train_tiny_model.py train --data .out/tokens --tokenizer minivllm/assets/bundled \
+        --teacher minivllm/assets/bundled --num-layers 2 --hidden-size 128 --num-heads 4 --head-dim 32 \
+        --num-kv-heads 2 --intermediate-size 384 --dropout 0.1 --out runs/draft \
+        --log runs/draft/training_log.json --what "training log of the draft model in minivllm/assets/draft" \
+        --steps 2500 --max-minutes 3
+
 The model is plain ``transformers.Qwen3ForCausalLM``: QK-norm, grouped-query attention
 (8 query heads share 2 key/value heads), SwiGLU, RoPE, tied input/output embeddings.
 Training is plain PyTorch: AdamW, linear warm-up then cosine decay, bf16 autocast,
@@ -157,29 +172,64 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def loss_fn(model, batch: torch.Tensor, amp_dtype) -> torch.Tensor:
+def loss_fn(model, batch: torch.Tensor, amp_dtype, teacher=None, distill_weight: float = 0.0) -> torch.Tensor:
+    """Next-token cross-entropy on the corpus; with a teacher, mixed with the KL divergence
+    from the teacher's next-token distribution (weight ``distill_weight``)."""
     x, y = batch[:, :-1], batch[:, 1:]
     with torch.autocast(device_type=batch.device.type, dtype=amp_dtype):
-        logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        logits = model(input_ids=x).logits.float().reshape(-1, model.config.vocab_size)
+    loss = F.cross_entropy(logits, y.reshape(-1))
+    if teacher is None or distill_weight == 0:
+        return loss
+    target = teacher_logits(teacher, x, amp_dtype).log_softmax(-1)
+    kl = F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean")
+    return (1 - distill_weight) * loss + distill_weight * kl
 
 
 @torch.no_grad()
-def evaluate(model, windows: dict[str, torch.Tensor], batch_size: int, amp_dtype) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats/token) over every validation window, per file and overall."""
+def teacher_logits(teacher, x: torch.Tensor, amp_dtype) -> torch.Tensor:
+    with torch.autocast(device_type=x.device.type, dtype=amp_dtype):
+        return teacher(input_ids=x).logits.float().reshape(-1, teacher.config.vocab_size)
+
+
+@torch.no_grad()
+def evaluate(model, windows: dict[str, torch.Tensor], batch_size: int, amp_dtype, teacher=None) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats/token) over every validation window, per file and
+    overall; with a teacher, also how often the model's greedy token is the teacher's
+    (``agreement``, over all files)."""
     model.eval()
-    out, total, count = {}, 0.0, 0
+    out, total, count, agree, positions = {}, 0.0, 0, 0, 0
     for name, w in windows.items():
         s = 0.0
         for i in range(0, len(w), batch_size):
             b = w[i : i + batch_size]
-            s += loss_fn(model, b, amp_dtype).item() * b.shape[0]
+            x, y = b[:, :-1], b[:, 1:]
+            with torch.autocast(device_type=b.device.type, dtype=amp_dtype):
+                logits = model(input_ids=x).logits.float().reshape(-1, model.config.vocab_size)
+            s += F.cross_entropy(logits, y.reshape(-1)).item() * b.shape[0]
+            if teacher is not None:
+                agree += (logits.argmax(-1) == teacher_logits(teacher, x, amp_dtype).argmax(-1)).sum().item()
+                positions += logits.shape[0]
         out[name] = s / len(w)
         total += s
         count += len(w)
     out["all"] = total / count
+    if teacher is not None:
+        out["agreement"] = agree / positions
     model.train()
     return out
+
+
+def load_teacher(path: Path, vocab_size: int, device: torch.device):
+    """The model to distil (a Hugging Face folder), frozen; its vocabulary must be the data's."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    if teacher.config.vocab_size != vocab_size:
+        raise SystemExit(f"--teacher {path} has a vocabulary of {teacher.config.vocab_size}, the data {vocab_size}")
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
 
 
 # --------------------------------------------------------------------------- train
@@ -205,6 +255,9 @@ def train(args: argparse.Namespace) -> None:
         windows = {name: w[: args.max_val_windows] for name, w in windows.items()}
 
     model = build_model(args, meta["vocab_size"], meta["eos_token_id"]).to(device)
+    teacher = load_teacher(args.teacher, meta["vocab_size"], device) if args.teacher else None
+    # What picks the checkpoint kept: the validation loss, or for a draft the agreement with its teacher.
+    score = (lambda v: -v["agreement"]) if teacher is not None else (lambda v: v["all"])
     add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
 
@@ -226,7 +279,7 @@ def train(args: argparse.Namespace) -> None:
     train_losses: list[float] = []
     evals: list[dict] = []
     pending: list[torch.Tensor] = []
-    best = {"val_loss": float("inf"), "step": -1, "state": None}
+    best = {"score": float("inf"), "step": -1, "state": None}
     stopped_early = False
     model.train()
     t_train = time.time()
@@ -235,7 +288,7 @@ def train(args: argparse.Namespace) -> None:
             g["lr"] = lr_at(step, args)
         starts = torch.randint(0, n_train - args.seq_len - 1, (args.batch_size,), generator=gen).to(device)
         batch = train_data[starts[:, None] + offsets[None, :]]
-        loss = loss_fn(model, batch, amp_dtype)
+        loss = loss_fn(model, batch, amp_dtype, teacher, args.distill_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -247,16 +300,18 @@ def train(args: argparse.Namespace) -> None:
         if (step + 1) % args.eval_every == 0 or last or out_of_time:
             train_losses.extend(torch.stack(pending).float().cpu().tolist())
             pending.clear()
-            v = evaluate(model, windows, args.eval_batch_size, amp_dtype)
+            v = evaluate(model, windows, args.eval_batch_size, amp_dtype, teacher)
             evals.append({"step": step + 1, "val_loss": v["all"],
-                          **{f"val_loss_{k.split('.')[0]}": x for k, x in v.items() if k != "all"},
+                          **{f"val_loss_{k.split('.')[0]}": x for k, x in v.items() if k not in ("all", "agreement")},
+                          **({"val_agreement": v["agreement"]} if teacher is not None else {}),
                           "train_loss_recent": float(np.mean(train_losses[-args.eval_every:])),
                           "lr": lr_at(step, args), "elapsed_s": time.time() - t_train})
-            if v["all"] < best["val_loss"]:
-                best = {"val_loss": v["all"], "step": step + 1,
+            if score(v) < best["score"]:
+                best = {"score": score(v), "step": step + 1,
                         "state": {k: t.detach().clone() for k, t in model.state_dict().items()}}
             print(f"step {step + 1:5d}/{args.steps}  train {evals[-1]['train_loss_recent']:.4f}  "
-                  f"val {v['all']:.4f}  lr {evals[-1]['lr']:.2e}  {time.time() - t_train:6.1f}s"
+                  f"val {v['all']:.4f}  {'agree %.3f  ' % v['agreement'] if teacher is not None else ''}"
+                  f"lr {evals[-1]['lr']:.2e}  {time.time() - t_train:6.1f}s"
                   f"{'  *' if best['step'] == step + 1 else ''}", flush=True)
             if out_of_time and not last:
                 stopped_early = True
@@ -267,7 +322,7 @@ def train(args: argparse.Namespace) -> None:
     # Save the best checkpoint as a Hugging Face folder, weights in bfloat16.
     model.load_state_dict(best["state"])
     model.eval()
-    final = evaluate(model, windows, args.eval_batch_size, amp_dtype)
+    final = evaluate(model, windows, args.eval_batch_size, amp_dtype, teacher)
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.generation_config = GenerationConfig(
@@ -286,7 +341,7 @@ def train(args: argparse.Namespace) -> None:
         shutil.copy(args.tokenizer / name, args.out / name)
 
     log = {
-        "what": "training log of the model bundled in minivllm/assets/bundled",
+        "what": args.what,
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "seed": args.seed,
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
@@ -311,7 +366,8 @@ def train(args: argparse.Namespace) -> None:
         "total_seconds": time.time() - t_start,
         "best_step": best["step"],
         "best_val_loss": final["all"],
-        "best_val_loss_per_file": {k: x for k, x in final.items() if k != "all"},
+        "best_val_loss_per_file": {k: x for k, x in final.items() if k not in ("all", "agreement")},
+        **({"best_val_agreement": final["agreement"]} if teacher is not None else {}),
         "evals": evals,
         "train_loss": [round(x, 5) for x in train_losses],
     }
@@ -366,6 +422,13 @@ def main() -> None:
     tp.add_argument("--max-val-windows", type=int, default=0, help="cap per file, for quick tests (0: all)")
     tp.add_argument("--max-minutes", type=float, default=0.0,
                     help="stop after this many minutes of training, keeping the best checkpoint (0: no limit)")
+    # distillation (the draft model of speculative decoding)
+    tp.add_argument("--teacher", type=Path, default=None,
+                    help="a Hugging Face folder to distil (the draft's target); keeps the checkpoint that agrees with it most")
+    tp.add_argument("--distill-weight", type=float, default=0.5,
+                    help="with --teacher: the share of the loss that is KL(teacher || model), the rest the corpus loss")
+    tp.add_argument("--what", default="training log of the model bundled in minivllm/assets/bundled",
+                    help="the log's first line: what was trained")
     tp.set_defaults(func=train)
 
     args = p.parse_args()

@@ -101,7 +101,7 @@ def test_acceptance_preserves_the_target_distribution_exactly():
 # -- the engine: refusals ---------------------------------------------------------------
 
 def test_speculative_config_refusals(tiny_qwen3, hybrid_checkpoint):
-    with pytest.raises(ValueError, match="not implemented yet: ngram only"):
+    with pytest.raises(ValueError, match="method=.eagle. is not implemented yet; implemented: ngram, draft_model"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,

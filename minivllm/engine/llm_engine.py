@@ -24,7 +24,7 @@ from minivllm.layers.logits_processors import TokenHistory
 from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
-from minivllm.spec_decode.ngram import propose_ngram
+from minivllm.spec_decode.proposer import make_proposer
 from minivllm.spec_decode.verify import num_accepted
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
+        self.speculative = config.speculative  # SpeculativeConfig, or None: no speculation
+        # The proposer of speculative decoding (chapter 19) comes first: a draft model's weights
+        # are then on the device when the KV pool is sized, and the pool's budget pays for the
+        # draft's cache too (one draft block beside each block of the pool).
+        self.proposer = make_proposer(self.speculative, config) if self.speculative is not None else None
         if config.tensor_parallel_size > 1:
             # One process per rank; this one is rank 0 and drives the others (chapter 16).
             from minivllm.engine.tp_worker import TensorParallelRunner
 
             self.runner = TensorParallelRunner(config)
         else:
-            self.runner = ModelRunner(config)
+            self.runner = ModelRunner(config, self.proposer.block_bytes if self.proposer is not None else 0)
         model_config = self.runner.model_config
         if self.runner.num_state_slots:
             # Hybrid model: a state slot per sequence besides its blocks; no prefix caching
@@ -82,10 +87,11 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 model_config.vocab_size)
-        self.speculative = config.speculative  # SpeculativeConfig, or None: no speculation
         if self.speculative is not None and self.runner.num_state_slots:
             raise ValueError("speculative_config is not supported for hybrid models: their recurrent state "
                              "cannot be rolled back past rejected draft tokens")
+        if self.proposer is not None:
+            self.proposer.allocate(self.runner.num_kv_blocks)
         self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
                                     self.speculative is not None)
@@ -171,6 +177,9 @@ class LLMEngine:
         if request is None:
             return False
         self.scheduler.abort(request_id)
+        if self.proposer is not None:
+            for completion in request.group:
+                self.proposer.forget(completion.seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -188,6 +197,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.runner.shutdown()
+        self.proposer = None  # a draft model's weights and cache go with it
 
     def _check_running(self) -> None:
         if self.is_shut_down:
@@ -228,6 +238,9 @@ class LLMEngine:
             self._propose_drafts()
         with profiler_range("minivllm.schedule"):
             batch = self.scheduler.schedule()
+        if self.proposer is not None:
+            for seq in batch.preempted:  # a draft model computes it again from its tokens when it comes back
+                self.proposer.forget(seq)
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running and self._in_flight is None:
                 # Nothing runs and the head of the queue does not fit: cannot happen for a
@@ -293,23 +306,28 @@ class LLMEngine:
                             scoring, prompt_scores, deferred, drafts)
 
     def _propose_drafts(self) -> None:
-        """Give each running sequence in decode its n-gram drafts for the next step (at most
-        num_speculative_tokens, and never past max_tokens or max_model_len: the step emits up
-        to one token more than it has drafts). Runs with the synchronous loop only (see
-        EngineConfig.speculative_config), so every sequence's tokens are on the host."""
-        spec = self.speculative
+        """Give each running sequence in decode its drafts for the next step, from the
+        proposer (at most num_speculative_tokens, and never past max_tokens or max_model_len:
+        the step emits up to one token more than it has drafts). Runs with the synchronous
+        loop only (see EngineConfig.speculative_config), so every sequence's tokens are on
+        the host."""
+        seqs, ks = [], []
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
             if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens == 0:
                 continue  # not a decode (a prompt, or a chunk of one, is still to compute)
             if self._state(seq).needs_history:
                 continue  # penalties and bad words would need each draft row's own history
-            k = min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
+            k = min(self.speculative.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 k = min(k, max_tokens - seq.num_output_tokens - 1)
             if k > 0:
-                seq.draft_token_ids = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+                seq.draft_token_ids = drafts
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
         """Which positions of the batch score a prompt token this step (the requests with
@@ -482,13 +500,19 @@ class LLMEngine:
             return
         reason = self.output_processor.append_token(request, token, logprobs)
         if reason is not None:
-            self.scheduler.finish(request.seq, reason)
+            self._finish(request.seq, reason)
 
     def _fail(self, request: RequestState, error: str) -> None:
         """End one request with finish_reason "error"; the rest of the batch goes on."""
         request.error = error
         if not request.seq.is_finished:
-            self.scheduler.finish(request.seq, "error")
+            self._finish(request.seq, "error")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End seq: its blocks go back, and what the proposer keeps for it (a draft's cache)."""
+        self.scheduler.finish(seq, reason)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Speculative decoding (chapter 19): propose a few tokens cheaply, verify them all in one
-forward pass of the target model. See ``ngram`` for the proposer and ``verify`` for the
-acceptance rule.
+forward pass of the target model. See ``ngram`` and ``draft`` for the proposers (``proposer``
+for what the engine asks of them) and ``verify`` for the acceptance rule.
 
 Decoding is memory-bound: a decode step reads every weight to compute one token per
 sequence, and computing 1 + d tokens per sequence reads them once too. If the proposer
@@ -21,6 +21,7 @@ are refused.
 """
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import propose_ngram
+from minivllm.spec_decode.proposer import NgramProposer, make_proposer
 from minivllm.spec_decode.verify import num_accepted
 
-__all__ = ["SpeculativeConfig", "propose_ngram", "num_accepted"]
+__all__ = ["SpeculativeConfig", "propose_ngram", "num_accepted", "NgramProposer", "make_proposer"]

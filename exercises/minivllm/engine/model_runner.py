@@ -132,7 +132,7 @@ PROMPT_LOGITS_ELEMENTS = 2**24
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, draft_block_bytes: int = 0):
         if get_tp_world_size() != config.tensor_parallel_size:
             raise RuntimeError(
                 f"this process belongs to a tensor-parallel group of {get_tp_world_size()}, but the "
@@ -141,6 +141,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        # Speculative decoding with a draft model (chapter 19): the draft keeps a block of its
+        # own beside each block of the pool, allocated by its proposer; the budget pays for both.
+        self.draft_block_bytes = draft_block_bytes
         self.model = load_model(config.model, dtype=config.dtype, device=self.device)
         self.model_config = self.model.config
         self.sampler = Sampler()
@@ -184,13 +187,13 @@ class ModelRunner:
         elif self.device.type == "cuda":
             num_blocks = self._blocks_that_fit_on_gpu()
         else:
-            num_blocks = int(config.cpu_kv_cache_space * 2**30) // self.block_bytes
+            num_blocks = int(config.cpu_kv_cache_space * 2**30) // (self.block_bytes + self.draft_block_bytes)
         num_blocks = min_over_ranks(num_blocks)  # tensor parallelism: every rank's pool the same size
         if num_blocks < 1:
             gib = {k: round(v / 2**30, 2) if k != "gpu_memory_utilization" else v
                    for k, v in getattr(self, "memory_budget", {}).items()}
             raise RuntimeError(
-                f"no memory left for the KV cache (one block needs {self.block_bytes} bytes; GiB: {gib}); "
+                f"no memory left for the KV cache (one block needs {self.block_bytes + self.draft_block_bytes} bytes; GiB: {gib}); "
                 "raise gpu_memory_utilization or cpu_kv_cache_space, or set num_kv_blocks"
             )
         first = self.layers[0]
@@ -215,7 +218,7 @@ class ModelRunner:
         budget = total * self.config.gpu_memory_utilization - used - (peak - current)
         self.memory_budget = {"total": total, "in_use": used, "warmup_activations": peak - current,
                               "gpu_memory_utilization": self.config.gpu_memory_utilization}
-        return int(budget) // self.block_bytes
+        return int(budget) // (self.block_bytes + self.draft_block_bytes)
 
     @torch.inference_mode()
     def _warmup(self) -> None:

@@ -1,0 +1,239 @@
+"""Draft-model speculation: a small model that shares the target's tokenizer guesses the
+next k tokens, one cheap forward pass each; the target verifies them all in one.
+
+A model a tenth of the target's size reads a tenth of its weights per token, so k draft
+steps and one verifying step cost little more than one target step, and every accepted
+draft is a target decode step saved. Where the n-gram proposer only guesses right when the
+text repeats itself, a draft trained on the same text agrees with the target on the easy
+tokens of any text (function words, the ends of words, punctuation).
+
+Greedy drafts. The draft takes the argmax at each of its k steps, so its distribution q is
+a point mass on the drafted token, and the engine's acceptance rule
+(``minivllm.spec_decode.verify``: draw y ~ p from the target, accept the draft iff y equals
+it) is exactly Leviathan et al.'s rejection sampling for such a q, for sampled requests as
+well as greedy ones. vLLM v1's draft-model and EAGLE proposers draft greedily for the same
+reason. (Sampling the drafts from q would need the rule with min(1, p/q) and q's
+probabilities kept for the verifier; a point mass needs neither.)
+
+The draft's own KV cache. Each sequence the draft has seen keeps a ``DraftState``: a block
+table into the draft's pool (blocks of the engine's block size, one draft block per block
+of the target's pool, so the engine's KV budget pays for both) and how many of its tokens
+are cached there. At each proposal the draft first catches up on what the sequence gained
+since the last one: the tokens the target accepted and the one it sampled. The drafts fed
+at the last proposal left their keys and values behind them; those the target accepted are
+kept, and the cache is cut back at the first one it rejected (the rest of its contents are
+overwritten later). A sequence that finishes, is aborted or is preempted gives its draft
+blocks back (``forget``); one that comes back is prefilled again from its tokens. A
+sequence whose draft blocks do not fit in the pool gets no drafts that step (a guess is not
+worth taking memory from anyone).
+
+Batched. One step's proposals run as one catch-up forward pass over every sequence's new
+tokens (chunked at max_num_batched_tokens, as a prefill is), then k - 1 decode passes of
+one token per sequence; the drafts stay on the device until all k are made, so a step costs
+two waits for the device whatever k. The passes run eagerly (no CUDA graph), and on the
+same attention ops as the target's, through the Context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from minivllm.context import reset_context, set_context
+from minivllm.layers.attention import attention_layers
+from minivllm.layers.gated_deltanet import GatedDeltaNet
+from minivllm.loader import load_model
+from minivllm.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
+    from minivllm.engine.sequence import Sequence
+
+# The draft trained for the bundled model (scripts/train_tiny_model.py), where it is shipped.
+BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "draft"
+# Each field of a pass's metadata starts at a multiple of this many int64s (128 bytes).
+FIELD_ALIGN = 16
+
+
+@dataclass
+class DraftState:
+    """What the draft model holds for one sequence: the keys and values of the sequence's
+    first ``num_cached`` tokens, and after them those of ``fed_drafts``, the drafts it fed
+    itself at its last proposal (valid as far as the target accepted them)."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    fed_drafts: list[int] = field(default_factory=list)
+
+    def resume_at(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` (the sequence now) the cache already holds: the cached
+        ones and the fed drafts up to the first the sequence did not keep. At least one
+        token is left to feed: its logits give the first draft."""
+        n = self.num_cached
+        for t in self.fed_drafts:
+            if n >= len(token_ids) or token_ids[n] != t:
+                break
+            n += 1
+        return min(n, len(token_ids) - 1)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small model with its own paged KV cache (see the module)."""
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig):
+        self.device = torch.device(config.device)
+        self.model = load_model(spec.model, dtype=config.dtype, device=self.device)
+        if any(isinstance(m, GatedDeltaNet) for m in self.model.modules()):
+            raise ValueError(f"speculative_config model={spec.model!r} is a hybrid model: its recurrent state "
+                             "cannot be cut back past rejected drafts; use a draft with attention layers only")
+        self.layers = attention_layers(self.model)
+        self.block_size = config.block_size
+        self.max_tokens_per_forward = config.max_num_batched_tokens
+        self.max_positions = self.model.config.max_position_embeddings
+        first = self.layers[0]
+        itemsize = torch.empty((), dtype=config.dtype).element_size()
+        self.block_bytes = 2 * len(self.layers) * self.block_size * first.num_kv_heads * first.head_dim * itemsize
+        self.states: dict[int, DraftState] = {}  # seq_id -> its draft cache
+        self.free_blocks: list[int] = []
+        self.num_blocks = 0
+        self.kv: torch.Tensor | None = None
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV pool: [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim],
+        every block free (what a previous pool held is forgotten)."""
+        first = self.layers[0]
+        self.kv = torch.empty(2, len(self.layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
+                              dtype=next(self.model.parameters()).dtype, device=self.device)
+        for i, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+        self.num_blocks, self.states = num_blocks, {}
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def forget(self, seq: Sequence) -> None:
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.free_blocks.extend(reversed(state.block_table))
+
+    def _fit(self, state: DraftState, num_positions: int) -> bool:
+        """Give ``state`` exactly the blocks for ``num_positions`` positions; False (and no
+        change) if the pool has too few free."""
+        need = -(-num_positions // self.block_size)
+        if need - len(state.block_table) > len(self.free_blocks):
+            return False
+        while len(state.block_table) > need:
+            self.free_blocks.append(state.block_table.pop())
+        while len(state.block_table) < need:
+            state.block_table.append(self.free_blocks.pop())
+        return True
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """At most ``ks[i]`` greedy drafts to follow each sequence's tokens."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        rows = []  # (index in seqs, state, first position to feed, k)
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            length = seq.num_tokens
+            # The draft feeds itself drafts 1 .. k - 1, at positions length .. length + k - 2.
+            k = min(k, self.max_positions - length + 1)
+            if k < 1:
+                continue
+            state = self.states.setdefault(seq.seq_id, DraftState())
+            start = state.resume_at(seq.token_ids)
+            state.num_cached, state.fed_drafts = start, []  # what follows is stale: cut back
+            if not self._fit(state, length + k - 1):
+                continue
+            rows.append((i, state, start, k))
+        if not rows:
+            return drafts
+        rows.sort(key=lambda r: -r[3])  # largest k first: each decode pass runs a prefix of the rows
+        first = self._catch_up(seqs, rows)
+        tokens = [first]  # tokens[j][r]: draft j + 1 of row r (rows with k > j)
+        for j in range(1, rows[0][3]):
+            n = sum(1 for r in rows if r[3] > j)
+            states = [r[1] for r in rows[:n]]
+            positions = [seqs[i].num_tokens + j - 1 for i, _, _, _ in rows[:n]]
+            tokens.append(self._forward(states, positions, [1] * n, tokens[-1][:n]))
+        host = torch.cat(tokens).tolist()
+        offset = 0
+        for t in tokens:
+            for r, token in zip(rows, host[offset : offset + len(t)]):
+                drafts[r[0]].append(token)
+            offset += len(t)
+        for i, state, _, k in rows:
+            state.num_cached = seqs[i].num_tokens
+            state.fed_drafts = drafts[i][: k - 1]
+        return drafts
+
+    def _catch_up(self, seqs: list[Sequence], rows: list[tuple]) -> torch.Tensor:
+        """Feed each row's sequence its tokens from the row's start; return the first draft
+        of each row (on the device). A pass takes at most max_num_batched_tokens tokens, so
+        long catch-ups (a sequence seen for the first time) take several."""
+        first = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        done = [r[2] for r in rows]  # each row's next position to feed
+        while True:
+            budget, batch = self.max_tokens_per_forward, []
+            for r, (i, _, _, _) in enumerate(rows):
+                n = min(seqs[i].num_tokens - done[r], budget)
+                if n > 0:
+                    batch.append((r, n))
+                    budget -= n
+                if budget == 0:
+                    break
+            if not batch:
+                return first
+            ids = [t for r, n in batch for t in seqs[rows[r][0]].token_ids[done[r] : done[r] + n]]
+            out = self._forward([rows[r][1] for r, _ in batch], [done[r] for r, _ in batch], [n for _, n in batch],
+                                torch.tensor(ids, dtype=torch.long, device=self.device))
+            for r, n in batch:
+                done[r] += n
+            # The rows whose last token this pass fed: their first draft is its argmax.
+            ended = [(b, r) for b, (r, _) in enumerate(batch) if done[r] == seqs[rows[r][0]].num_tokens]
+            if ended:
+                where = torch.tensor(ended, device=self.device).T
+                first[where[1]] = out[where[0]]
+
+    def _forward(self, states: list[DraftState], starts: list[int], lengths: list[int],
+                 input_ids: torch.Tensor) -> torch.Tensor:
+        """One pass of the draft: row i computes ``lengths[i]`` tokens (of the flat
+        ``input_ids``) at positions ``starts[i]``.. of its sequence, storing their keys and
+        values in its blocks. Returns the argmax token after each row's last (device)."""
+        bs = self.block_size
+        positions, slots, cu = [], [], [0]
+        for state, start, n in zip(states, starts, lengths):
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(state.block_table[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + n)
+        context_lens = [s + n for s, n in zip(starts, lengths)]
+        width = max(len(s.block_table) for s in states)
+        tables = [b for s in states for b in s.block_table + [-1] * (width - len(s.block_table))]
+        positions, slots, context_lens_d, cu_d, tables_d = self._upload([positions, slots, context_lens, cu, tables])
+        set_context(is_prefill=max(lengths) > 1, cu_seqlens_q=cu_d, slot_mapping=slots, context_lens=context_lens_d,
+                    block_tables=tables_d.view(len(states), width), max_seqlen_q=max(lengths),
+                    max_context_len=max(context_lens))
+        try:
+            hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden).argmax(dim=-1)
+        finally:
+            reset_context()
+
+    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
+        """A pass's metadata in one host-to-device copy, cut into views, each starting on a
+        FIELD_ALIGN boundary as the model runner's do (Triton compiles a kernel again for a
+        pointer whose 16-byte alignment changed)."""
+        starts, end = [], 0
+        for f in fields:
+            starts.append(end)
+            end += -(-len(f) // FIELD_ALIGN) * FIELD_ALIGN
+        host = np.zeros(end, dtype=np.int64)
+        for f, start in zip(fields, starts):
+            host[start : start + len(f)] = f
+        flat = torch.from_numpy(host).to(self.device)
+        return [flat[start : start + len(f)] for f, start in zip(fields, starts)]
