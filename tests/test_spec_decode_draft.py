@@ -398,9 +398,9 @@ def test_acceptance_metrics_add_up(bundled_draft):
 def test_shipped_draft():
     """The draft in minivllm/assets/draft: small, installed with the package, sharing the
     bundled model's tokenizer, and a trained one: with k = 1 (each draft the draft's guess at
-    the target's next token) more than 35% accepted on text it was trained on, greedy. (A
+    the target's next token) more than half accepted on text it was trained on, greedy. (A
     random draft of this vocabulary gets about one in a thousand; one trained for 8 minutes
-    on two CPU cores, 33%.)"""
+    on two CPU cores, 33%; the shipped one, 68 s on an H200 (benchmarks/draft_model_training.json), 61%.)"""
     assert (BUNDLED_DRAFT / "config.json").is_file(), f"no draft model shipped in {BUNDLED_DRAFT}"
     size = sum(f.stat().st_size for f in BUNDLED_DRAFT.glob("*.safetensors"))
     assert size <= 5 * 2**20, f"the shipped draft's weights take {size} bytes: more than 5 MiB"
@@ -410,7 +410,7 @@ def test_shipped_draft():
     spec.generate(passages(4), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     s = stats(spec)
     print(f"acceptance {s['spec_accepted_tokens'] / s['spec_draft_tokens']:.3f}")
-    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.35
+    assert s["spec_accepted_tokens"] / s["spec_draft_tokens"] > 0.5
 
 
 # -- the GPU ----------------------------------------------------------------------------
