@@ -30,7 +30,10 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.spec_decode.draft import BUNDLED_DRAFT
 
+# The course's corpus, beside the project (a copy under .out/corpus where it is not).
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "corpus" / "austen.txt"
+if not CORPUS.exists():
+    CORPUS = Path(__file__).resolve().parents[1] / ".out" / "corpus" / "austen.txt"
 
 
 def prompts(kind: str, n: int, chars: int = 600) -> list[str]:
