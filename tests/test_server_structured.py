@@ -16,7 +16,8 @@ import pytest
 from minivllm import LLM
 from minivllm.server import AsyncLLMEngine
 from minivllm.server.api import ServerThread, build_app
-from minivllm.server.tools import HermesToolParser, Llama3JsonToolParser, complete_array_items, template_messages
+from minivllm.server.tools import template_messages
+from minivllm.structured.tools import HermesToolParser, Llama3JsonToolParser, complete_array_items
 from minivllm.server.protocol import ChatCompletionRequest
 from minivllm.testing import torch_threads
 from minivllm.tokenizer import encode_chat
