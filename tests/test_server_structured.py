@@ -6,6 +6,7 @@ streamed as tool-call deltas), tool results sent back through the chat template;
 400s for what cannot work.
 """
 import json
+import re
 
 import httpx
 import jsonschema
@@ -90,7 +91,7 @@ def test_response_format_json_object_and_completions(client):
 
 @pytest.mark.parametrize("spec,check", [
     ({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
-    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: __import__("re").fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
+    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
     ({"choice": ["sunny", "rainy", "cloudy"]}, lambda t: t in ("sunny", "rainy", "cloudy") or pytest.fail(t)),
     ({"grammar": 'root ::= "forecast: " ("hot" | "cold") "!"'},
      lambda t: t in ("forecast: hot!", "forecast: cold!") or pytest.fail(t)),
@@ -101,6 +102,28 @@ def test_vllms_structured_outputs_field(client, spec, check):
         check(r.choices[0].message.content)
         c = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=200, seed=seed,
                                       extra_body={"structured_outputs": spec})
+        check(c.choices[0].text)
+
+
+@pytest.mark.parametrize("fields,check", [
+    ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"guided_json": json.dumps(PERSON), "guided_decoding_backend": "xgrammar"},
+     lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
+    ({"guided_choice": ["sunny", "rainy"], "guided_decoding_backend": "auto"},
+     lambda t: t in ("sunny", "rainy") or pytest.fail(t)),
+    ({"guided_grammar": 'root ::= "forecast: " ("hot" | "cold") "!"'},
+     lambda t: t in ("forecast: hot!", "forecast: cold!") or pytest.fail(t)),
+    # (any object: this model's strings can run on to max_tokens, so only its start is certain)
+    ({"guided_json_object": True}, lambda t: t.startswith("{") or pytest.fail(t)),
+])
+def test_vllms_older_guided_fields(client, fields, check):
+    """What clients written against vLLM before 0.12 send: each field is one of structured_outputs'."""
+    for seed in SEEDS[:2]:
+        r = chat(client, seed=seed, max_tokens=300, extra_body=fields)
+        assert r.choices[0].finish_reason == "stop" or "guided_json_object" in fields
+        check(r.choices[0].message.content)
+        c = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=300, seed=seed, extra_body=fields)
         check(c.choices[0].text)
 
 
@@ -258,6 +281,25 @@ def test_a_template_that_renders_tools_sees_the_calls_as_objects():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tool_choice", "unsupported JSON schema feature"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"guided_json": PERSON, "structured_outputs": {"json": PERSON}}, "guided_json",
+     "guided_json: cannot be combined with structured_outputs (one constraint per request; guided_json is vLLM's "
+     "older name for structured_outputs.json)"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "guided_choice: cannot be combined with "
+     "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_grammar": 'root ::= "a"'}, "guided_grammar",
+     "cannot be combined with response_format"),
+    ({"guided_regex": "(ab"}, "guided_regex", "guided_regex: SamplingParams.structured_outputs.regex: invalid "
+     "regular expression"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "unsupported JSON schema feature"),
+    ({"guided_choice": []}, "guided_choice", "choice must be a list of 1 to"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+     "this server's grammar engine is xgrammar"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar:disable-additional-properties"},
+     "guided_decoding_backend", "got 'xgrammar:disable-additional-properties'"),
+    ({"guided_json": PERSON, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
+     "structured_outputs.whitespace_pattern: not supported by this server"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag: not supported"),
 ])
 def test_what_cannot_work_is_a_400_naming_it(server, body, param, message):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)

@@ -12,6 +12,9 @@ none), and what the model wrote becomes OpenAI's answer:
   parser of its family (``--tool-call-parser``), and streamed as tool-call deltas, one per
   call as each call closes, the text around them as content.
 """
+import functools
+import logging
+
 from minivllm.sampling_params import InvalidParameter
 from minivllm.server.protocol import APIError, NamedToolChoice
 from minivllm.structured import StructuredOutputsParams
@@ -20,8 +23,15 @@ from minivllm.structured.tools import (TOOL_PARSERS, HermesToolParser, Llama3Jso
                                        tool_parser)
 from minivllm.structured.tools import tool_plan as shared_tool_plan
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "ToolAnswer", "ToolCall", "ToolPlan",
            "complete_array_items", "structured_outputs", "template_messages", "tool_plan"]
+
+
+# vLLM's older request fields, each one field of structured_outputs.
+LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "guided_json_object": "json_object"}
 
 
 def structured_outputs(body) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -32,11 +42,14 @@ def structured_outputs(body) -> tuple[StructuredOutputsParams | None, str | None
         asked.append("response_format")
     if getattr(body, "structured_outputs", None) is not None:
         asked.append("structured_outputs")
+    asked += [name for name in LEGACY_FIELDS if getattr(body, name, None) not in (None, False)]
     plan = tool_plan(body)
     if plan is not None and plan.mode in ("named", "required"):
         asked.append("tool_choice")
     if len(asked) > 1:
-        raise APIError(400, f"{asked[1]}: cannot be combined with {asked[0]} (one constraint per request)",
+        old = next((name for name in asked[:2] if name in LEGACY_FIELDS), None)
+        why = f"; {old} is vLLM's older name for structured_outputs.{LEGACY_FIELDS[old]}" if old else ""
+        raise APIError(400, f"{asked[1]}: cannot be combined with {asked[0]} (one constraint per request{why})",
                        param=asked[1])
     if not asked:
         return None, None
@@ -47,11 +60,21 @@ def structured_outputs(body) -> tuple[StructuredOutputsParams | None, str | None
                 return StructuredOutputsParams(json_object=True), source
             return StructuredOutputsParams(json=rf.json_schema.schema_), source
         if source == "structured_outputs":
-            fields = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-            return StructuredOutputsParams(**fields), source
+            return body.structured_outputs.params(), source
+        if source in LEGACY_FIELDS:
+            warn_legacy(source)
+            return StructuredOutputsParams(**{LEGACY_FIELDS[source]: getattr(body, source)}), source
         return plan.constraint(), source
     except InvalidParameter as e:
         raise APIError(400, f"{source}: {e}", param=source) from None
+
+
+@functools.cache
+def warn_legacy(name: str) -> None:
+    """Once per field and process: the log says what to write instead."""
+    logger.warning("%s is vLLM's older name for structured_outputs.%s (removed from vLLM in 0.12): accepted, but "
+                   "send {\"structured_outputs\": {\"%s\": ...}} instead", name, LEGACY_FIELDS[name],
+                   LEGACY_FIELDS[name])
 
 
 # -- tools ---------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class ServerConfig:
     # A chat_template in a request is code the server would run for a stranger: refused
     # unless the operator says every client is trusted (as vLLM's flag of the same name).
     trust_request_chat_template: bool = False
-    tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (server.tools.TOOL_PARSERS)
+    tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (structured.tools.TOOL_PARSERS)
 
     def __post_init__(self):
         for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
