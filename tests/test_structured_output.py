@@ -229,6 +229,10 @@ def test_streaming_a_constrained_output(llm):
     (dict(json={"type": "array", "uniqueItems": True}), "unsupported JSON schema feature: the keyword 'uniqueItems'"),
     (dict(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "at #/properties/a/not"),
     (dict(json={"$ref": "https://example.com/s.json"}), "a $ref outside the schema"),
+    (dict(json={"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}),
+     "unsupported JSON schema feature: 'maxLength' together with 'pattern' (at #)"),
+    (dict(json={"type": "object", "properties": {"e": {"type": "string", "format": "email", "minLength": 3}}}),
+     "'minLength' together with 'format' (at #/properties/e)"),
     (dict(regex="(ab"), "invalid regular expression: Regex parsing error"),
     (dict(grammar='root ::= "a" |'), "invalid EBNF grammar"),
     (dict(grammar='start ::= "a"'), 'root rule with name "root" is not found'),
@@ -318,3 +322,40 @@ def test_rebuilt_matcher_allows_what_the_live_one_does(llm):
     assert torch.equal(fill_bitmask([live], vocab), fill_bitmask([rebuilt], vocab))
     with pytest.raises(ValueError, match="not allowed by the grammar"):
         GrammarState.rebuild(compiled, [out.token_ids[0], out.token_ids[0]])  # "{{" is no JSON
+
+
+# -- JSON has no raw control characters ----------------------------------------------------------
+
+BOUNDED = {"type": "object", "properties": {"word": {"type": "string", "minLength": 1, "maxLength": 8},
+                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                     "maxItems": 2}},
+           "required": ["word", "tags"]}
+
+
+def test_json_outputs_parse_strictly_with_length_bounded_strings(tiny_qwen3_with_tokenizer):
+    """xgrammar 0.2 lets a string with minLength or maxLength hold raw control characters
+    (mlc-ai/xgrammar#800), which no strict JSON parser accepts. A random model whose
+    vocabulary spells them (this tiny one's byte tokens) writes them whenever it may: the
+    engine's token filter must keep them out."""
+    llm = LLM(str(tiny_qwen3_with_tokenizer), async_scheduling=False)
+    params = [SamplingParams(temperature=1.5, seed=s, max_tokens=80, structured_outputs=StructuredOutputsParams(
+        json=BOUNDED)) for s in range(24)]
+    outs = [o.outputs[0] for o in llm.generate(["a b c"] * 24, params, use_tqdm=False)]
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= 12
+    for out in finished:
+        jsonschema.validate(json.loads(out.text), BOUNDED)  # json.loads is strict: a raw control character fails
+    assert all(ord(ch) >= 0x20 for out in outs for ch in out.text)
+
+
+def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_characters(llm):
+    compiler = llm.engine.grammar_compiler()
+    vocab = llm.engine.runner.model_config.vocab_size
+    spellings = compiler.tokenizer_info.decoded_vocab
+    for compact, whitespace in ((True, set()), (False, {9, 10, 13})):
+        allowed = unpack_bitmask(compiler.token_filter(StructuredOutputsParams(
+            json_object=True, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
+        expected = torch.tensor([not any(b < 0x20 and b not in whitespace for b in spellings[t]) if t < len(spellings)
+                                 else True for t in range(vocab)])
+        assert torch.equal(allowed, expected) and not expected.all()
+    assert compiler.token_filter(StructuredOutputsParams(regex="[\x01-\x7f]+")) is None  # a regex says what it wants

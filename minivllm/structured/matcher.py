@@ -18,12 +18,15 @@ import torch
 class GrammarState:
     """Where one sequence stands in its grammar."""
 
-    def __init__(self, compiled_grammar):
+    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None):
         import xgrammar as xgr
 
         self.compiled = compiled_grammar
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.num_accepted = 0
+        # Tokens never to allow whatever the grammar says (GrammarCompiler.token_filter):
+        # a bitmask row ANDed with the grammar's.
+        self.token_filter = token_filter
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (and no change) if the grammar does not allow it."""
@@ -39,6 +42,8 @@ class GrammarState:
         """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
         if not self.is_terminated:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            if self.token_filter is not None:
+                bitmask[row] &= self.token_filter
 
     @classmethod
     def rebuild(cls, compiled_grammar, token_ids: list[int]) -> "GrammarState":
