@@ -134,6 +134,18 @@ def test_n_completions_each_follow_the_schema(client):
         jsonschema.validate(json.loads(c.message.content), PERSON)
 
 
+def test_a_streamed_constrained_answer_follows_the_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    for seed in SEEDS[:3]:
+        chunks = list(chat(client, seed=seed, stream=True, response_format=fmt))
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert len([p for p in pieces if p]) > 3  # streamed, not sent whole at the end
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        jsonschema.validate(json.loads("".join(pieces)), PERSON)
+        # The same tokens as the answer sent whole.
+        assert "".join(pieces) == chat(client, seed=seed, response_format=fmt).choices[0].message.content
+
+
 def test_max_tokens_ends_a_constrained_answer_as_length(client):
     r = chat(client, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
