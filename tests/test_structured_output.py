@@ -359,3 +359,32 @@ def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_charac
                                  else True for t in range(vocab)])
         assert torch.equal(allowed, expected) and not expected.all()
     assert compiler.token_filter(StructuredOutputsParams(regex="[\x01-\x7f]+")) is None  # a regex says what it wants
+
+
+def test_the_batch_bitmask_is_each_rows_own(llm):
+    """fill_bitmask ANDs the token filters of a batch at once: each row must still be what its
+    own state writes (its grammar, then its filter), and a row without a grammar all ones."""
+    compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
+    vocab = llm.engine.runner.model_config.vocab_size
+    specs = [StructuredOutputsParams(json=BOUNDED), StructuredOutputsParams(json_object=True, disable_any_whitespace=False),
+             StructuredOutputsParams(regex="[a-z ]{1,9}")]
+    states = []
+    for spec, prefix in zip(specs, ['{"word": "ab', '{"x": "', "ab"]):
+        state = GrammarState(compiler.compile(spec), compiler.token_filter(spec))
+        for t in tokenizer.encode(prefix, add_special_tokens=False):
+            assert state.accept(t)
+        states.append(state)
+    batch = fill_bitmask([states[0], None, states[1], states[2], states[0]], vocab)
+    for row, state in zip((0, 2, 3, 4), (states[0], states[1], states[2], states[0])):
+        alone = torch.full_like(batch[:1], -1)
+        state.fill(alone, 0)
+        assert torch.equal(batch[row], alone[0])
+    assert (batch[1] == -1).all()
+    # Row 0 is inside a bounded string, where xgrammar alone would allow control characters.
+    unfiltered = GrammarState(states[0].compiled)
+    for t in tokenizer.encode('{"word": "ab', add_special_tokens=False):
+        unfiltered.accept(t)
+    grammar = unpack_bitmask(fill_bitmask([unfiltered], vocab), vocab)[0]
+    token_filter = unpack_bitmask(states[0].token_filter.unsqueeze(0), vocab)[0]
+    assert (grammar & ~token_filter).any()
+    assert torch.equal(unpack_bitmask(batch[:1], vocab)[0], grammar & token_filter)

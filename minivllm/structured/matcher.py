@@ -63,9 +63,14 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
     """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
     where a row has no grammar."""
     bitmask = torch.full((len(states), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the token filters' rows, to AND at once
     for row, state in enumerate(states):
-        if state is not None:
-            state.fill(bitmask, row)
+        if state is not None and not state.is_terminated:
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+            if state.token_filter is not None:
+                filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
+    for token_filter, rows in filtered.values():
+        bitmask[rows] &= token_filter  # (one op for the batch: ~3 us per row otherwise)
     return bitmask
 
 
