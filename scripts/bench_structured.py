@@ -14,7 +14,7 @@ Both runs: 256 requests, prompts of 100..1024 random tokens, temperature 0.6, ma
 constrained one may finish its JSON early, so the comparison is per output token and per
 decode step (the median of the steps that decode the full batch of 256).
 
-    python scripts/bench_structured.py [--num-requests 256] [--out benchmarks/structured.json]
+    python scripts/bench_structured.py [--num-requests 256] [--out benchmarks/structured.json] [--sync]
 """
 import argparse
 import json
@@ -69,16 +69,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/structured.json")
+    parser.add_argument("--sync", action="store_true", help="also measure with async_scheduling=False")
     args = parser.parse_args()
     from minivllm import LLM, SamplingParams
     from minivllm.structured import StructuredOutputsParams
 
     path = checkpoint_with_tokenizer()
-    prompts, lens = make_workload(args.num_requests, vocab=8192)
-    warm, _ = make_workload(16, seed=12345, vocab=8192)
+    prompts, lens = make_workload(args.num_requests, max_token_id=8191)
+    warm, _ = make_workload(16, seed=12345, max_token_id=8191)
     so = StructuredOutputsParams(json=SCHEMA)
     report = {"device": torch.cuda.get_device_name(), "schema": SCHEMA}
-    for async_scheduling in (True, False):
+    for async_scheduling in (True, False) if args.sync else (True,):
         llm = LLM(str(path), dtype="bfloat16", record_trace=True, max_num_seqs=256, max_num_batched_tokens=16384,
                   async_scheduling=async_scheduling)
         # The compile, first (a cold cache), then a warm-up of both kinds of request.
@@ -110,6 +111,7 @@ def main() -> None:
         if p and c:
             one["full_batch_step_overhead"] = c / p - 1
         report["async" if async_scheduling else "sync"] = one
+        print(json.dumps({k: v for k, v in one.items() if not isinstance(v, dict)}), flush=True)
         llm.shutdown()
         del llm
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,37 @@ def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
         assert results[0] == results[1]
 
 
+def test_prefill_graphs_replay_one_sequence_steps(tmp_path):
+    """A step computing one sequence (a prompt, a chunk after a cached prefix) replays the
+    prefill graph of the next captured token count, its padding rows storing nothing: the
+    tokens and the prompt logprobs equal the eager run's (float32), for prompts on both
+    sides of a captured size and one past the largest, which runs eagerly."""
+    path = make_tiny_checkpoint(tmp_path, seed=10, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 512, (40,), generator=g).tolist()
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 100, 700)]
+    prompts += [shared + [7, 8, 9], shared + [10, 11]]  # the second reuses the first's cached blocks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    results = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="float32", enforce_eager=eager, gpu_memory_utilization=0.1,
+                  max_num_batched_tokens=512)  # the 700-token prompt: a graphed chunk of 512, then 188
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time
+        results.append(([o.outputs[0].token_ids for o in outs],
+                        [[max(d.values(), key=lambda x: x.logprob).logprob if d else None for d in o.prompt_logprobs]
+                         for o in outs]))
+        if not eager:
+            runner = llm.engine.runner
+            assert runner.prefill_graph_sizes[-1] == 512
+            replays = runner.prefill_graph_replays
+            assert replays[16] >= 2 and replays[32] >= 1 and replays[128] >= 1 and replays[512] >= 1, replays
+        del llm
+    assert results[0][0] == results[1][0]
+    for got, want in zip(results[0][1], results[1][1]):
+        assert [x is None for x in got] == [x is None for x in want]
+        assert all(a is None or abs(a - b) < 1e-4 for a, b in zip(got, want))
+
+
 def test_kv_pool_sized_from_measured_memory(tmp_path):
     path = make_tiny_checkpoint(tmp_path, seed=9, dtype=torch.bfloat16)
     small = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)

@@ -21,7 +21,6 @@ from minivllm.server import AsyncLLMEngine
 from minivllm.server.api import ServerThread, build_app
 from minivllm.structured.compiler import MAX_SCHEMA_DEPTH, GrammarCompiler
 from minivllm.structured.params import MAX_SPEC_CHARS
-from minivllm.testing import torch_threads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

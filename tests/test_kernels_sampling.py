@@ -60,3 +60,19 @@ def test_draws_follow_the_tempered_softmax(temperature):
     expected = n * torch.softmax(x[:8].double() / temperature, dim=0)
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 24.3, (chi2, counts.tolist(), expected.tolist())
+
+
+def test_one_row_cut_in_slices_finds_the_first_maximum():
+    """A lone row is read by many programs (one slice each) and their bests merged: the
+    merged token is still the first maximum, wherever it lies, and a row of -inf gives 0."""
+    g = torch.Generator().manual_seed(2)
+    for where in (0, VOCAB // 2 + 3, VOCAB - 1):
+        logits = torch.randn(1, VOCAB, generator=g).to(DEVICE)
+        logits[0, where] = logits[0, VOCAB - 1 - where // 2] = 9.0  # a tie: the smaller index wins
+        out = gumbel_argmax(logits, torch.ones(1, device=DEVICE), torch.ones(1, device=DEVICE),
+                            torch.zeros(1, device=DEVICE, dtype=torch.int64))
+        assert out.tolist() == logits.argmax(dim=-1).tolist()
+    dead = torch.full((1, VOCAB), float("-inf"), device=DEVICE)
+    out = gumbel_argmax(dead, torch.ones(1, device=DEVICE), torch.zeros(1, device=DEVICE),
+                        torch.zeros(1, device=DEVICE, dtype=torch.int64))
+    assert out.tolist() == [0]

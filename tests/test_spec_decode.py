@@ -356,7 +356,10 @@ def test_greedy_identical_on_gpu_with_cuda_graphs():
     """On a GPU: decode steps replay CUDA graphs, verifying steps run eagerly; the outputs
     must still be those of speculation off, token for token, on the bundled model (in
     float32: in bfloat16 a verifying chunk and a decode step may round a near tie apart)."""
-    text = open("/work/shared/corpus/austen.txt", encoding="utf-8").read()[300_000:300_600]
+    text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+            "must be in want of a wife. However little known the feelings or views of such a man may be on "
+            "his first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding "
+            "families, that he is considered the rightful property of some one or other of their daughters.")
     prompts = [text + "\n\n" + text[:300], text, "one two three four one two three four one two"] * 8
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, logprobs=1)
     plain = LLM(device="cuda", dtype="float32", async_scheduling=False, gpu_memory_utilization=0.3)

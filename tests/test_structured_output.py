@@ -324,6 +324,28 @@ def test_rebuilt_matcher_allows_what_the_live_one_does(llm):
         GrammarState.rebuild(compiled, [out.token_ids[0], out.token_ids[0]])  # "{{" is no JSON
 
 
+def test_a_large_batch_fills_on_threads_what_row_by_row_fills(llm):
+    """From BATCH_FILL_ROWS rows the matchers fill through xgrammar's batch matcher: the same
+    bits as one row at a time, rows without a grammar or finished left all ones."""
+    from minivllm.structured import matcher
+
+    out = run(llm, StructuredOutputsParams(json=PERSON), n_seeds=1, max_tokens=20)[0]
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(json=PERSON))
+    states = []
+    for i in range(12):  # grammars at different points of the same output, and empty rows
+        state = GrammarState(compiled)
+        for t in out.token_ids[: i * 2]:
+            assert state.accept(t)
+        states.append(state if i % 4 else None)
+    vocab = llm.engine.runner.model_config.vocab_size
+    batched = fill_bitmask(states, vocab)
+    assert len([s for s in states if s]) >= matcher.BATCH_FILL_ROWS
+    for row, state in enumerate(states):
+        one = fill_bitmask([state], vocab)[0]  # below the threshold: row by row
+        assert torch.equal(batched[row], one), row
+    assert (batched[0] == -1).all() and not (batched[1] == -1).all()
+
+
 # -- JSON has no raw control characters ----------------------------------------------------------
 
 BOUNDED = {"type": "object", "properties": {"word": {"type": "string", "minLength": 1, "maxLength": 8},
@@ -374,11 +396,17 @@ def test_the_batch_bitmask_is_each_rows_own(llm):
         for t in tokenizer.encode(prefix, add_special_tokens=False):
             assert state.accept(t)
         states.append(state)
-    batch = fill_bitmask([states[0], None, states[1], states[2], states[0]], vocab)
-    for row, state in zip((0, 2, 3, 4), (states[0], states[1], states[2], states[0])):
-        alone = torch.full_like(batch[:1], -1)
-        state.fill(alone, 0)
-        assert torch.equal(batch[row], alone[0])
+    from minivllm.structured.matcher import BATCH_FILL_ROWS
+
+    rows = [states[0], None, states[1], states[2], states[0]]
+    for batch_rows in (rows, rows * 2):  # row by row, and on xgrammar's batch matcher
+        assert (sum(s is not None for s in batch_rows) >= BATCH_FILL_ROWS) == (batch_rows is not rows)
+        batch = fill_bitmask(batch_rows, vocab)
+        for row, state in enumerate(batch_rows):
+            alone = torch.full_like(batch[:1], -1)
+            if state is not None:
+                state.fill(alone, 0)
+            assert torch.equal(batch[row], alone[0]), row
     assert (batch[1] == -1).all()
     # Row 0 is inside a bounded string, where xgrammar alone would allow control characters.
     unfiltered = GrammarState(states[0].compiled)

@@ -25,7 +25,8 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
+    for n in range(min(max_n, length - 1), min_n - 1, -1):  # the longest suffix first
+        # BEGIN SOLUTION ch19 ngram_lookup
         suffix = tokens[length - n :]
         # Windows of n tokens starting at 0 .. length - n - 1 (the suffix itself excluded).
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
@@ -33,4 +34,5 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         if hits.size:
             start = int(hits[-1]) + n  # what followed the most recent occurrence
             return tokens[start : start + k].tolist()
+        # END SOLUTION
     return []

@@ -12,6 +12,8 @@ Preemption needs nothing here: this engine recomputes a preempted sequence from 
 which it keeps, and its matcher has accepted exactly those tokens; ``rebuild`` makes a
 matcher that has from a list of tokens (what a server that lost its matchers would do).
 """
+import threading
+
 import torch
 
 
@@ -59,16 +61,32 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# Rows at or above which the matchers fill their rows on a pool of threads (xgrammar's batch
+# matcher, in C++ without the interpreter lock): a row of a JSON grammar takes tens of
+# microseconds over a large vocabulary, so a batch of 256 filled one by one holds the host for
+# milliseconds a step, longer than the GPU's step.
+BATCH_FILL_ROWS = 8
+_per_thread = threading.local()  # a batch matcher (its thread pool) for each engine thread
+
+
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor:
     """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
     where a row has no grammar."""
     bitmask = torch.full((len(states), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the token filters' rows, to AND at once
-    for row, state in enumerate(states):
-        if state is not None and not state.is_terminated:
+    live = [(row, state) for row, state in enumerate(states) if state is not None and not state.is_terminated]
+    if len(live) >= BATCH_FILL_ROWS:
+        import xgrammar as xgr
+
+        if not hasattr(_per_thread, "matcher"):
+            _per_thread.matcher = xgr.BatchGrammarMatcher()
+        _per_thread.matcher.batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, [r for r, _ in live])
+    else:
+        for row, state in live:
             state.matcher.fill_next_token_bitmask(bitmask, row)
-            if state.token_filter is not None:
-                filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
+    filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the rows of each token filter, ANDed at once
+    for row, state in live:
+        if state.token_filter is not None:
+            filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
     for token_filter, rows in filtered.values():
         bitmask[rows] &= token_filter  # (one op for the batch: ~3 us per row otherwise)
     return bitmask
