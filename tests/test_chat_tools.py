@@ -38,7 +38,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=16)
+    return LLM(max_num_seqs=16, num_kv_blocks=256)  # (sized: on a GPU two engines at 90% would not fit)
 
 
 def sampling(n_seeds, max_tokens=200):

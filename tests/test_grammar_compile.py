@@ -55,7 +55,7 @@ class HeldCompiles:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=16)
+    return LLM(max_num_seqs=16, num_kv_blocks=256)  # (sized: on a GPU two engines at 90% would not fit)
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +115,22 @@ def test_a_spec_over_a_limit_is_a_400_naming_the_limit(server, body, message):
 # -- the engine: the others step on while a grammar compiles ------------------------------------
 
 
-def test_the_engine_steps_the_others_while_a_grammar_compiles(llm):
+@pytest.fixture(scope="module")
+def async_llm():
+    return LLM(max_num_seqs=16, num_kv_blocks=256, async_scheduling=True)
+
+
+@pytest.mark.parametrize("which", ["llm", "async_llm"])
+def test_the_engine_steps_the_others_while_a_grammar_compiles(request, which):
     """What the engine core in its own process does with a grammar it has not compiled (the
-    server compiled it in its own process): the request waits, the batch does not."""
+    server compiled it in its own process): the request waits, the batch does not; with the
+    synchronous loop and the asynchronous one (whose step in flight the admission waits for)."""
+    llm = request.getfixturevalue(which)
     engine = llm.engine
     held = HeldCompiles(engine.grammar_compiler())
     try:
         plain = engine.add_request(llm.get_tokenizer().encode("Once upon a time"), SamplingParams(max_tokens=8))
-        schema = {**PERSON, "title": "held in the engine"}
+        schema = {**PERSON, "title": f"held in the engine ({which})"}
         constrained = engine.add_request(llm.get_tokenizer().encode("Data:"), SamplingParams(
             temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema)))
         assert held.started.wait(30) and engine.num_compiling == 1

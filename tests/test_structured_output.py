@@ -359,7 +359,7 @@ def test_json_outputs_parse_strictly_with_length_bounded_strings(tiny_qwen3_with
     (mlc-ai/xgrammar#800), which no strict JSON parser accepts. A random model whose
     vocabulary spells them (this tiny one's byte tokens) writes them whenever it may: the
     engine's token filter must keep them out."""
-    llm = LLM(str(tiny_qwen3_with_tokenizer), async_scheduling=False)
+    llm = LLM(str(tiny_qwen3_with_tokenizer), async_scheduling=False, num_kv_blocks=256)
     params = [SamplingParams(temperature=1.5, seed=s, max_tokens=80, structured_outputs=StructuredOutputsParams(
         json=BOUNDED)) for s in range(24)]
     outs = [o.outputs[0] for o in llm.generate(["a b c"] * 24, params, use_tqdm=False)]
