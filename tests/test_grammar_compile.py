@@ -59,8 +59,9 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    engine = AsyncLLMEngine(llm.engine)
+def server():
+    # An engine of its own: while the server runs, its AsyncLLMEngine owns the engine.
+    engine = AsyncLLMEngine(LLM(max_num_seqs=16, num_kv_blocks=256).engine)
     with ServerThread(build_app(engine, "bundled")) as running:
         running.engine = engine
         yield running
