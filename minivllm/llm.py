@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from minivllm.config import EngineConfig, generation_defaults
 from minivllm.engine.llm_engine import LLMEngine, truncated
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParameter, SamplingParams
+from minivllm.structured.tools import template_tool_calls, tool_plan
 from minivllm.tokenizer import encode_chat, load_tokenizer, message_text
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "bundled"
@@ -168,28 +169,59 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         A message's content may be a string, a list of text parts or (an assistant's) None,
-        as in the server. ``continue_final_message`` carries on the last message instead of
-        opening a new one (with ``add_generation_prompt=False``); ``chat_template`` replaces
-        the tokenizer's; ``chat_template_kwargs`` are more variables for the template (e.g.
-        Qwen3's ``enable_thinking``)."""
+        as in the server; a ``tool`` message answers a call (``tool_call_id``), and an
+        assistant's ``tool_calls`` (OpenAI's shape, arguments as JSON text) reach the template
+        with their arguments as objects, as the server sends them. ``continue_final_message``
+        carries on the last message instead of opening a new one (with
+        ``add_generation_prompt=False``); ``chat_template`` replaces the tokenizer's;
+        ``chat_template_kwargs`` are more variables for the template (e.g. Qwen3's
+        ``enable_thinking``).
+
+        ``tools`` (OpenAI's function definitions) go into the chat template, as vLLM's
+        ``LLM.chat`` puts them. ``tool_choice`` (minivllm's, the server's meaning) constrains
+        the output: a named function (``{"type": "function", "function": {"name": ...}}``)
+        makes it that function's arguments, ``"required"`` a JSON array of
+        ``{"name", "parameters"}`` calls (one at most without ``parallel_tool_calls``);
+        ``"auto"`` (the default with tools) and ``"none"`` leave it free. The outputs are text,
+        as vLLM's are; the calls are read from it as the server reads them::
+
+            from minivllm.structured.tools import parse_tool_calls, tool_plan
+            content, calls = parse_tool_calls(out.outputs[0].text, tool_plan(tools, tool_choice))
+        """
         if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template (pass chat_template=...)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            if "tools" in template_kwargs:
+                raise ValueError("give the tools as chat(tools=...), not in chat_template_kwargs")
+            template_kwargs["tools"] = tools
+        plan = tool_plan(tools, tool_choice, parallel_tool_calls)
+        constraint = plan.constraint() if plan is not None else None
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            conversation = [{**m, "content": message_text(m.get("content"))} for m in conversation]
+            conversation = [template_message(m) for m in conversation]
             # What the messages say stays text: a special token written in one is not a control token.
             ids, text = encode_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, chat_template=chat_template,
-                                    **(chat_template_kwargs or {}))
+                                    **template_kwargs)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if constraint is None:
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        sampling_params = constrained(sampling_params or self.get_default_sampling_params(), constraint, len(prompts))
+        try:
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        except InvalidParameter as e:  # the tools' schemas did not compile: name what the caller wrote
+            if e.param != "structured_outputs":
+                raise
+            raise InvalidParameter(f"tool_choice: {e}", "tool_choice") from None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the checkpoint's generation_config.json
@@ -204,3 +236,28 @@ class LLM:
         """Free what the engine holds: the worker processes of a tensor-parallel engine (also
         stopped at exit) and the device memory, so that another LLM can take its place."""
         self.engine.shutdown()
+
+
+def template_message(message: dict) -> dict:
+    """One message of LLM.chat as the chat template takes it."""
+    if not isinstance(message, dict):
+        raise ValueError(f"a message must be a dict with 'role' and 'content', got {type(message).__name__}")
+    message = {**message, "content": message_text(message.get("content"))}
+    if message.get("tool_calls"):
+        message["tool_calls"] = template_tool_calls(message["tool_calls"])
+    return message
+
+
+def constrained(sampling_params, constraint, num_prompts: int) -> list[SamplingParams]:
+    """Each prompt's SamplingParams with a tool_choice's constraint (which cannot share a
+    request with another one)."""
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * num_prompts
+    out = []
+    for params in sampling_params:
+        params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            raise InvalidParameter("tool_choice: a named or required tool choice constrains the output, so it "
+                                   "cannot be combined with SamplingParams.structured_outputs", "tool_choice")
+        out.append(dataclasses.replace(params, structured_outputs=constraint))
+    return out

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.server import AsyncLLMEngine
 from minivllm.server import api
 from minivllm.server.api import ServerThread, build_app
@@ -263,6 +264,27 @@ def test_the_openai_client_gets_the_offline_outputs(server, offline):
         [want] = offline.chat(messages, SamplingParams(temperature=0.9, seed=4, max_tokens=12, n=2), use_tqdm=False)
     got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=4, n=2)
     assert [c.message.content for c in got.choices] == [c.text for c in want.outputs]
+
+
+def test_structured_output_through_the_core(server, offline):
+    """The server compiles a request's grammar to check it (a bad one is its 400, the core
+    never sees it); the core compiles its own while it steps the others: the outputs are the
+    offline engine's, and follow the schema."""
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["word", "n"]}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    spec = StructuredOutputsParams(json=schema)
+    want = greedy(offline, PROMPTS[:2], max_tokens=60, structured_outputs=spec)
+    for prompt, expected in zip(PROMPTS, want):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0,
+                                        extra_body={"structured_outputs": {"json": schema}})
+        assert got.choices[0].text == expected.outputs[0].text and got.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(got.choices[0].text), schema)
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, json={
+        "prompt": "x", "structured_outputs": {"json": {"type": "object", "not": {}}}})
+    assert r.status_code == 400 and "unsupported JSON schema feature" in r.json()["error"]["message"]
+    wait_until_idle(server.engine)
 
 
 def test_clients_that_hang_up_free_their_blocks_in_the_core(server):

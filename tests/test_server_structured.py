@@ -6,6 +6,7 @@ streamed as tool-call deltas), tool results sent back through the chat template;
 400s for what cannot work.
 """
 import json
+import re
 
 import httpx
 import jsonschema
@@ -16,7 +17,8 @@ import pytest
 from minivllm import LLM
 from minivllm.server import AsyncLLMEngine
 from minivllm.server.api import ServerThread, build_app
-from minivllm.server.tools import HermesToolParser, Llama3JsonToolParser, complete_array_items, template_messages
+from minivllm.server.tools import template_messages
+from minivllm.structured.tools import HermesToolParser, Llama3JsonToolParser, complete_array_items
 from minivllm.server.protocol import ChatCompletionRequest
 from minivllm.testing import torch_threads
 from minivllm.tokenizer import encode_chat
@@ -89,7 +91,7 @@ def test_response_format_json_object_and_completions(client):
 
 @pytest.mark.parametrize("spec,check", [
     ({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
-    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: __import__("re").fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
+    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
     ({"choice": ["sunny", "rainy", "cloudy"]}, lambda t: t in ("sunny", "rainy", "cloudy") or pytest.fail(t)),
     ({"grammar": 'root ::= "forecast: " ("hot" | "cold") "!"'},
      lambda t: t in ("forecast: hot!", "forecast: cold!") or pytest.fail(t)),
@@ -103,11 +105,45 @@ def test_vllms_structured_outputs_field(client, spec, check):
         check(c.choices[0].text)
 
 
+@pytest.mark.parametrize("fields,check", [
+    ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"guided_json": json.dumps(PERSON), "guided_decoding_backend": "xgrammar"},
+     lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) or pytest.fail(t)),
+    ({"guided_choice": ["sunny", "rainy"], "guided_decoding_backend": "auto"},
+     lambda t: t in ("sunny", "rainy") or pytest.fail(t)),
+    ({"guided_grammar": 'root ::= "forecast: " ("hot" | "cold") "!"'},
+     lambda t: t in ("forecast: hot!", "forecast: cold!") or pytest.fail(t)),
+    # (any object: this model's strings can run on to max_tokens, so only its start is certain)
+    ({"guided_json_object": True}, lambda t: t.startswith("{") or pytest.fail(t)),
+])
+def test_vllms_older_guided_fields(client, fields, check):
+    """What clients written against vLLM before 0.12 send: each field is one of structured_outputs'."""
+    for seed in SEEDS[:2]:
+        r = chat(client, seed=seed, max_tokens=300, extra_body=fields)
+        assert r.choices[0].finish_reason == "stop" or "guided_json_object" in fields
+        check(r.choices[0].message.content)
+        c = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=300, seed=seed, extra_body=fields)
+        check(c.choices[0].text)
+
+
 def test_n_completions_each_follow_the_schema(client):
     r = chat(client, n=3, seed=4, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     assert len(r.choices) == 3
     for c in r.choices:
         jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+def test_a_streamed_constrained_answer_follows_the_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    for seed in SEEDS[:3]:
+        chunks = list(chat(client, seed=seed, stream=True, response_format=fmt))
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert len([p for p in pieces if p]) > 3  # streamed, not sent whole at the end
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        jsonschema.validate(json.loads("".join(pieces)), PERSON)
+        # The same tokens as the answer sent whole.
+        assert "".join(pieces) == chat(client, seed=seed, response_format=fmt).choices[0].message.content
 
 
 def test_max_tokens_ends_a_constrained_answer_as_length(client):
@@ -257,6 +293,25 @@ def test_a_template_that_renders_tools_sees_the_calls_as_objects():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tool_choice", "unsupported JSON schema feature"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"guided_json": PERSON, "structured_outputs": {"json": PERSON}}, "guided_json",
+     "guided_json: cannot be combined with structured_outputs (one constraint per request; guided_json is vLLM's "
+     "older name for structured_outputs.json)"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "guided_choice: cannot be combined with "
+     "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_grammar": 'root ::= "a"'}, "guided_grammar",
+     "cannot be combined with response_format"),
+    ({"guided_regex": "(ab"}, "guided_regex", "guided_regex: SamplingParams.structured_outputs.regex: invalid "
+     "regular expression"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "unsupported JSON schema feature"),
+    ({"guided_choice": []}, "guided_choice", "choice must be a list of 1 to"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+     "this server's grammar engine is xgrammar"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar:disable-additional-properties"},
+     "guided_decoding_backend", "got 'xgrammar:disable-additional-properties'"),
+    ({"guided_json": PERSON, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
+     "structured_outputs.whitespace_pattern: not supported by this server"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag: not supported"),
 ])
 def test_what_cannot_work_is_a_400_naming_it(server, body, param, message):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)

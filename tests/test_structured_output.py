@@ -229,6 +229,10 @@ def test_streaming_a_constrained_output(llm):
     (dict(json={"type": "array", "uniqueItems": True}), "unsupported JSON schema feature: the keyword 'uniqueItems'"),
     (dict(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "at #/properties/a/not"),
     (dict(json={"$ref": "https://example.com/s.json"}), "a $ref outside the schema"),
+    (dict(json={"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}),
+     "unsupported JSON schema feature: 'maxLength' together with 'pattern' (at #)"),
+    (dict(json={"type": "object", "properties": {"e": {"type": "string", "format": "email", "minLength": 3}}}),
+     "'minLength' together with 'format' (at #/properties/e)"),
     (dict(regex="(ab"), "invalid regular expression: Regex parsing error"),
     (dict(grammar='root ::= "a" |'), "invalid EBNF grammar"),
     (dict(grammar='start ::= "a"'), 'root rule with name "root" is not found'),
@@ -340,3 +344,75 @@ def test_a_large_batch_fills_on_threads_what_row_by_row_fills(llm):
         one = fill_bitmask([state], vocab)[0]  # below the threshold: row by row
         assert torch.equal(batched[row], one), row
     assert (batched[0] == -1).all() and not (batched[1] == -1).all()
+
+
+# -- JSON has no raw control characters ----------------------------------------------------------
+
+BOUNDED = {"type": "object", "properties": {"word": {"type": "string", "minLength": 1, "maxLength": 8},
+                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                     "maxItems": 2}},
+           "required": ["word", "tags"]}
+
+
+def test_json_outputs_parse_strictly_with_length_bounded_strings(tiny_qwen3_with_tokenizer):
+    """xgrammar 0.2 lets a string with minLength or maxLength hold raw control characters
+    (mlc-ai/xgrammar#800), which no strict JSON parser accepts. A random model whose
+    vocabulary spells them (this tiny one's byte tokens) writes them whenever it may: the
+    engine's token filter must keep them out."""
+    llm = LLM(str(tiny_qwen3_with_tokenizer), async_scheduling=False, num_kv_blocks=256)
+    params = [SamplingParams(temperature=1.5, seed=s, max_tokens=80, structured_outputs=StructuredOutputsParams(
+        json=BOUNDED)) for s in range(24)]
+    outs = [o.outputs[0] for o in llm.generate(["a b c"] * 24, params, use_tqdm=False)]
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= 12
+    for out in finished:
+        jsonschema.validate(json.loads(out.text), BOUNDED)  # json.loads is strict: a raw control character fails
+    assert all(ord(ch) >= 0x20 for out in outs for ch in out.text)
+
+
+def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_characters(llm):
+    compiler = llm.engine.grammar_compiler()
+    vocab = llm.engine.runner.model_config.vocab_size
+    spellings = compiler.tokenizer_info.decoded_vocab
+    for compact, whitespace in ((True, set()), (False, {9, 10, 13})):
+        allowed = unpack_bitmask(compiler.token_filter(StructuredOutputsParams(
+            json_object=True, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
+        expected = torch.tensor([not any(b < 0x20 and b not in whitespace for b in spellings[t]) if t < len(spellings)
+                                 else True for t in range(vocab)])
+        assert torch.equal(allowed, expected) and not expected.all()
+    assert compiler.token_filter(StructuredOutputsParams(regex="[\x01-\x7f]+")) is None  # a regex says what it wants
+
+
+def test_the_batch_bitmask_is_each_rows_own(llm):
+    """fill_bitmask ANDs the token filters of a batch at once: each row must still be what its
+    own state writes (its grammar, then its filter), and a row without a grammar all ones."""
+    compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
+    vocab = llm.engine.runner.model_config.vocab_size
+    specs = [StructuredOutputsParams(json=BOUNDED), StructuredOutputsParams(json_object=True, disable_any_whitespace=False),
+             StructuredOutputsParams(regex="[a-z ]{1,9}")]
+    states = []
+    for spec, prefix in zip(specs, ['{"word": "ab', '{"x": "', "ab"]):
+        state = GrammarState(compiler.compile(spec), compiler.token_filter(spec))
+        for t in tokenizer.encode(prefix, add_special_tokens=False):
+            assert state.accept(t)
+        states.append(state)
+    from minivllm.structured.matcher import BATCH_FILL_ROWS
+
+    rows = [states[0], None, states[1], states[2], states[0]]
+    for batch_rows in (rows, rows * 2):  # row by row, and on xgrammar's batch matcher
+        assert (sum(s is not None for s in batch_rows) >= BATCH_FILL_ROWS) == (batch_rows is not rows)
+        batch = fill_bitmask(batch_rows, vocab)
+        for row, state in enumerate(batch_rows):
+            alone = torch.full_like(batch[:1], -1)
+            if state is not None:
+                state.fill(alone, 0)
+            assert torch.equal(batch[row], alone[0]), row
+    assert (batch[1] == -1).all()
+    # Row 0 is inside a bounded string, where xgrammar alone would allow control characters.
+    unfiltered = GrammarState(states[0].compiled)
+    for t in tokenizer.encode('{"word": "ab', add_special_tokens=False):
+        unfiltered.accept(t)
+    grammar = unpack_bitmask(fill_bitmask([unfiltered], vocab), vocab)[0]
+    token_filter = unpack_bitmask(states[0].token_filter.unsqueeze(0), vocab)[0]
+    assert (grammar & ~token_filter).any()
+    assert torch.equal(unpack_bitmask(batch[:1], vocab)[0], grammar & token_filter)

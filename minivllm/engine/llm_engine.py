@@ -6,7 +6,9 @@ finished. Everything a serving front end needs (streaming, aborts) is built on t
 """
 import itertools
 import logging
+import threading
 import time
+from concurrent import futures
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -105,6 +107,11 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step on the device
         self._waited = 0.0  # this step's time waiting for the device's tokens
         self._grammars = None  # structured output: the grammar compiler, made at the first such request
+        self._grammars_lock = threading.Lock()  # (a server asks for the compiler from its own thread)
+        # Requests whose grammar is being compiled on the compiler's threads: id -> (future,
+        # first completion). They join the scheduler's queue once it is done; meanwhile the
+        # others step on.
+        self._compiling: dict[str, tuple] = {}
 
     # -- requests ----------------------------------------------------------------------
 
@@ -116,11 +123,17 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = False,
     ) -> str:
-        """Queue a request. A bad one raises ValueError and leaves the engine untouched."""
+        """Queue a request. A bad one raises ValueError and leaves the engine untouched.
+
+        A grammar (structured_outputs) not in the compiler's cache is compiled on the
+        compiler's threads while the engine steps the other requests; the request is
+        scheduled once it is ready, or fails alone (finish_reason "error") if it cannot be
+        compiled. ``validate_request`` compiles it on the caller's thread instead, to raise
+        InvalidParameter before anything is queued (what ``LLM.generate`` does)."""
         self._check_running()
         params = sampling_params or SamplingParams()
         prompt_token_ids = truncated(prompt_token_ids, params)
-        self.validate_request(prompt_token_ids, params)
+        self.limits.check_request(prompt_token_ids, params, self.output_processor)
         first = Sequence(prompt_token_ids, params, request_id)
         if first.request_id in self.requests:
             raise ValueError(f"request_id {first.request_id!r} is already in use")
@@ -136,13 +149,15 @@ class LLMEngine:
             group.append(self.output_processor.new_request(seq, prompt, generator, stream))
         for request in group:
             request.group = group
-        if params.structured_outputs is not None:  # each completion walks the grammar on its own
-            compiled = self.grammar_compiler().compile(params.structured_outputs)  # cached by validate_request
-            from minivllm.structured.matcher import GrammarState
-
-            for request in group:
-                request.grammar = GrammarState(compiled)
         first.num_forks = params.n - 1
+        if params.structured_outputs is not None:
+            compiler = self.grammar_compiler()
+            compiled = compiler.lookup(params.structured_outputs)
+            if compiled is None:  # (a failed compile fails the request in a later step, never here)
+                self.requests[first.request_id] = group[0]
+                self._compiling[first.request_id] = (compiler.submit(params.structured_outputs), group[0])
+                return first.request_id
+            self._give_grammars(group, compiled)
         self.requests[first.request_id] = group[0]
         self.scheduler.add(first)
         return first.request_id
@@ -165,18 +180,20 @@ class LLMEngine:
 
     def grammar_compiler(self):
         """The engine's grammar compiler (chapter 18), made when the first request needs it."""
-        if self._grammars is None:
-            from minivllm.structured.compiler import grammar_compiler_for
+        with self._grammars_lock:
+            if self._grammars is None:
+                from minivllm.structured.compiler import grammar_compiler_for
 
-            self._grammars = grammar_compiler_for(self.tokenizer, self.runner.model_config.vocab_size,
-                                                  self.eos_token_ids)
-        return self._grammars
+                self._grammars = grammar_compiler_for(self.tokenizer, self.runner.model_config.vocab_size,
+                                                      self.eos_token_ids)
+            return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.abort(request_id)
+        if self._compiling.pop(request_id, None) is None:  # (a compile under way finishes for the cache)
+            self.scheduler.abort(request_id)
         if self.proposer is not None:
             for completion in request.group:
                 self.proposer.forget(completion.seq)
@@ -185,7 +202,44 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # (A step still on the device computes only sequences the scheduler holds, or ones
         # that have ended since: nothing is left unfinished by leaving it there.)
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to be compiled (not yet in the scheduler's queue)."""
+        return len(self._compiling)
+
+    def _give_grammars(self, group: list[RequestState], compiled) -> None:
+        """Each completion of a request walks the grammar on its own."""
+        from minivllm.structured.matcher import GrammarState
+
+        token_filter = self.grammar_compiler().token_filter(group[0].seq.sampling_params.structured_outputs)
+        for request in group:
+            request.grammar = GrammarState(compiled, token_filter)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled; fail those whose grammar could not
+        be (their outputs are returned). With nothing else to run, wait a little for one."""
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            futures.wait([f for f, _ in self._compiling.values()], timeout=GRAMMAR_WAIT_S,
+                         return_when=futures.FIRST_COMPLETED)
+        failed = []
+        for request_id, (future, first) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._give_grammars(first.group, future.result())
+            except Exception as e:  # InvalidParameter: its spec, checked by nobody before
+                for request in first.group:
+                    request.error = f"structured output: {e}"
+                    request.seq.status = SequenceStatus.FINISHED
+                    request.seq.finish_reason = "error"
+                del self.requests[request_id]
+                failed.append(self.output_processor.make_output(first))
+                continue
+            self.scheduler.add(first.seq)
+        return failed
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any, and give back the device memory
@@ -214,6 +268,7 @@ class LLMEngine:
         puts step N+1 on the device first, then takes in step N's tokens while the device
         runs N+1."""
         self._check_running()
+        failed = self._admit_compiled() if self._compiling else []
         start = time.perf_counter()
         self._waited = 0.0
         with profiler_range("minivllm.launch"):
@@ -229,7 +284,7 @@ class LLMEngine:
                 outputs, finished = self._process(launched) if launched is not None else ([], [])
         if launched is not None:
             self._account(launched, time.perf_counter() - start, finished)
-        return outputs
+        return failed + outputs if failed else outputs
 
     def _launch(self) -> "LaunchedStep | None":
         """Schedule a step and put it on the device; its tokens stay there for now."""
@@ -579,6 +634,11 @@ class RequestLimits:
         if bad:
             raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
                                    f"model's vocabulary [0, {vocab})", "bad_words")
+
+
+# How long a step with nothing else to do waits for a grammar being compiled, before it returns
+# (so that the caller's loop takes in new requests and aborts meanwhile).
+GRAMMAR_WAIT_S = 0.05
 
 
 def truncated(prompt_token_ids, params: SamplingParams):

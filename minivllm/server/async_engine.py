@@ -81,6 +81,20 @@ class RequestQueues:
         self._queues[request_id] = queue
         return request_id, queue
 
+    async def compile_grammar(self, sampling_params: SamplingParams | None) -> None:
+        """Compile the request's grammar, if it has one, off the event loop (on the grammar
+        compiler's threads: a JSON schema can take seconds), so that a bad schema or grammar
+        is the caller's InvalidParameter before the request is queued; the compiled grammar
+        stays in the compiler's cache for the engine. (``generate`` does not: a grammar that
+        nobody compiled first is compiled by the engine, which fails the request alone if it
+        cannot be, RequestFailedError.)"""
+        if sampling_params is None or sampling_params.structured_outputs is None:
+            return
+        compiler = await asyncio.to_thread(self.grammar_compiler)  # (the first call reads the vocabulary)
+        # Shielded: the compile is shared with whoever else asked for this spec, and goes on
+        # for the cache if this caller leaves.
+        await asyncio.shield(asyncio.wrap_future(compiler.submit(sampling_params.structured_outputs)))
+
 
 class AsyncLLMEngine(RequestQueues):
     def __init__(self, engine: LLMEngine):
@@ -125,7 +139,8 @@ class AsyncLLMEngine(RequestQueues):
         (safe under the interpreter lock) and at worst a step stale, which is all a gauge
         promises."""
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        return EngineState(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+        waiting = len(scheduler.waiting) + self.engine.num_compiling  # (those whose grammar is compiling too)
+        return EngineState(len(scheduler.running), waiting, blocks.num_free_blocks, blocks.num_blocks,
                            self.num_aborted)
 
     # -- the loop ----------------------------------------------------------------------
@@ -207,8 +222,13 @@ class AsyncLLMEngine(RequestQueues):
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
         """Raise ValueError for a request the engine would refuse. Reads only fixed sizes
-        (vocabulary, max_model_len), so it is safe beside a running step."""
-        self.engine.validate_request(prompt_token_ids, sampling_params or SamplingParams())
+        (vocabulary, max_model_len), so it is safe beside a running step. (A grammar is
+        checked by ``compile_grammar``.)"""
+        self.engine.limits.check_request(prompt_token_ids, sampling_params or SamplingParams(),
+                                         self.engine.output_processor)
+
+    def grammar_compiler(self):
+        return self.engine.grammar_compiler()
 
     def _abort(self, request_id: str) -> None:
         """Runs in the engine thread."""

@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import select
 import socket
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -77,6 +78,7 @@ class EngineCoreClient(RequestQueues):
                                        self.limits.vocab_size)
         self._eos_token_ids = info.eos_token_ids
         self._grammars = None  # only to check requests' grammars here: the core compiles its own
+        self._grammars_lock = threading.Lock()
         self._sock.setblocking(False)
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> what the core sent for it, in order
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,16 +237,19 @@ class EngineCoreClient(RequestQueues):
             raise EngineDeadError("the engine core is not running")
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
-        """Raise ValueError for a request the engine would refuse (its own checks, here; a
-        grammar is compiled here too, so that a bad schema is the caller's 400)."""
-        params = sampling_params or SamplingParams()
-        self.limits.check_request(prompt_token_ids, params, self._checks)
-        if params.structured_outputs is not None:
+        """Raise ValueError for a request the engine would refuse (its own checks, here). A
+        grammar is checked by ``compile_grammar``: compiled here too, off the event loop, so
+        that a bad schema is the caller's 400 (the core compiles its own, while it steps the
+        other requests)."""
+        self.limits.check_request(prompt_token_ids, sampling_params or SamplingParams(), self._checks)
+
+    def grammar_compiler(self):
+        with self._grammars_lock:
             if self._grammars is None:
                 from minivllm.structured.compiler import grammar_compiler_for
 
                 self._grammars = grammar_compiler_for(self.tokenizer, self.limits.vocab_size, self._eos_token_ids)
-            self._grammars.compile(params.structured_outputs)
+            return self._grammars
 
     async def generate(
         self,

@@ -205,7 +205,8 @@ class EngineCore:
 
     def state(self) -> EngineState:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        return EngineState(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+        waiting = len(scheduler.waiting) + self.engine.num_compiling  # (those whose grammar is compiling too)
+        return EngineState(len(scheduler.running), waiting, blocks.num_free_blocks, blocks.num_blocks,
                            self.num_aborted)
 
     def run(self) -> None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
+from minivllm.structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -111,10 +112,34 @@ class SamplingFields(Lenient):
 
 class StructuredFields(Lenient):
     """What the output must follow (chapter 18): OpenAI's ``response_format``, or vLLM's own
-    ``structured_outputs`` (StructuredOutputsParams' fields). At most one of them."""
+    ``structured_outputs`` (StructuredOutputsParams' fields), or one of vLLM's older ``guided_*``
+    fields. At most one of them."""
 
     response_format: "ResponseFormat | None" = None
     structured_outputs: "StructuredOutputsField | None" = None
+    # vLLM's names before structured_outputs (deprecated in vLLM 0.10.2, removed in 0.12): each
+    # is one field of structured_outputs (server.tools.LEGACY_FIELDS), kept for the clients
+    # written against those versions.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    guided_decoding_backend: str | None = None  # which grammar engine: this server has one, xgrammar
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _our_backend(cls, value):
+        if value is None:
+            return value
+        name, _, options = value.partition(":")
+        # vLLM's options that change nothing here: this server never falls back to another
+        # engine, and its JSON has no free whitespace already.
+        unknown = [o for o in options.split(",") if o and o not in ("no-fallback", "disable-any-whitespace")]
+        if name not in ("auto", "xgrammar") or unknown:
+            raise ValueError(f"this server's grammar engine is xgrammar: 'auto' or 'xgrammar' (with the options "
+                             f"no-fallback, disable-any-whitespace), got {value!r}")
+        return value
 
 
 class CompletionRequest(SamplingFields, StructuredFields):
@@ -230,6 +255,27 @@ class StructuredOutputsField(Lenient):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    disable_fallback: bool = False  # vLLM's; this server has no other grammar engine to fall back to
+    # vLLM's, for its other grammar engines: refused unless they ask for nothing
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict | None = None
+    disable_additional_properties: bool = False
+
+    @field_validator("whitespace_pattern", "structural_tag", "disable_additional_properties")
+    @classmethod
+    def _not_here(cls, value, info):
+        if value not in (None, False):
+            why = {"whitespace_pattern": "the JSON grammar is compact, or with disable_any_whitespace=false allows "
+                                         "any whitespace",
+                   "structural_tag": "give the constraint as json, regex, choice or grammar",
+                   "disable_additional_properties": "a schema says additionalProperties: false itself"}
+            raise ValueError(f"not supported by this server ({why[info.field_name]})")
+        return value
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object,
+                                       disable_any_whitespace=self.disable_any_whitespace)
 
 
 class FunctionDefinition(Lenient):
@@ -332,10 +378,17 @@ NOT_SUPPORTED = {
     "functions": _neutral(None, []),  # the deprecated spelling of tools
     "function_call": _neutral(None, "none", "auto"),
     "response_format": _neutral(None),  # /v1/completions and the chat take it: elsewhere refused
+    # The grammar engine takes no whitespace pattern: JSON is compact (structured_outputs'
+    # disable_any_whitespace, the default) or allows any whitespace (false).
+    "guided_whitespace_pattern": _neutral(None),
+    "structural_tag": _neutral(None),
+    # /v1/completions and the chat take these (vLLM's older structured_outputs): elsewhere refused
     "guided_json": _neutral(None),
     "guided_regex": _neutral(None),
     "guided_choice": _neutral(None),
     "guided_grammar": _neutral(None),
+    "guided_json_object": _neutral(None, False),
+    "guided_decoding_backend": _neutral(None),
 }
 
 
@@ -370,7 +423,8 @@ def ignored_fields(body: Lenient) -> list[str]:
     the body's own and those of its messages and their parts, as dotted paths."""
     found = [name for name in body.model_extra or {} if name not in NOT_SUPPORTED]
     declared = type(body).model_fields  # (an undeclared "messages" is an ignored extra, not a list)
-    parts = [("stream_options", body.stream_options if "stream_options" in declared else None)]
+    parts = [("stream_options", body.stream_options if "stream_options" in declared else None),
+             ("structured_outputs", body.structured_outputs if "structured_outputs" in declared else None)]
     for i, message in enumerate((body.messages if "messages" in declared else None) or []):
         parts.append((f"messages.{i}", message))
         if isinstance(message.content, list):

@@ -6,6 +6,8 @@ draw, the logits of every token that the grammar does not allow next to -inf.
     trie.py      the idea by hand: a choice of strings over a token trie, and its token mask
     compiler.py  the real thing on xgrammar: grammars compiled once per spec and cached
     matcher.py   a matcher per sequence, and the batch's token bitmask
+    tools.py     tool calls: what tools and tool_choice constrain, and the calls read back
+                 (shared by LLM.chat and the server)
 
 The mask itself is applied to the logits by ``minivllm.ops.token_bitmask`` (a Triton kernel
 on the GPU). Only ``params`` is imported with the package: xgrammar is loaded when the

@@ -11,12 +11,21 @@ A spec xgrammar cannot compile is the client's mistake and comes back as ``Inval
 naming it. So does a JSON schema keyword that xgrammar would silently ignore (``uniqueItems``,
 ``not``...): the output would then not follow the schema the client gave, and it is better to
 say so than to return JSON that fails their validator.
+
+What a stranger's spec may cost is bounded: its size (``params.MAX_SPEC_CHARS``), a JSON
+schema's nesting (``MAX_SCHEMA_DEPTH``: compile time grows with the cube of the depth, 46 s
+for 900 levels in 22 kB), the compiles running at once (``COMPILE_THREADS``, each a thread
+that xgrammar's C++ runs on without the interpreter lock), and what the cache keeps: the
+least recently used grammars are dropped past ``cache_size`` grammars or ``cache_bytes``.
 """
 import json
 import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from minivllm.sampling_params import InvalidParameter
 from minivllm.structured.params import StructuredOutputsParams
@@ -28,14 +37,20 @@ UNSUPPORTED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains",
                         "unevaluatedItems", "unevaluatedProperties")
 # Keys whose value maps names to schemas (so the names are not keywords).
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other (real schemas nest a few; $ref recursion costs none)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+CACHE_BYTES = 512 * 2**20  # and at most this much of them (a grammar holds its token masks)
+COMPILE_THREADS = 2  # compiles at once (``submit``); more wait their turn
 
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer and vocabulary, and caches what it compiled. Safe to
-    call from several threads (xgrammar's compiler is; the cache is guarded)."""
+    call from several threads (xgrammar's compiler is; the cache is guarded): ``compile``
+    compiles on the caller's thread, ``submit`` on the compiler's own, and two callers who
+    ask for one spec at once share one compile."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1,
+                 cache_size: int = CACHE_SIZE, cache_bytes: int = CACHE_BYTES):
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -44,28 +59,105 @@ class GrammarCompiler:
                                                                  stop_token_ids=sorted(stop_token_ids))
         # Our cache only, so that what a compile costs is visible (compile_seconds).
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
-        self.cache: OrderedDict = OrderedDict()
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self.cache: OrderedDict = OrderedDict()  # key -> CompiledGrammar, least recently used first
+        self.cached_bytes = 0
+        self.compiling: dict[tuple, Future] = {}  # key -> the compile under way
         self.lock = threading.Lock()
+        self.executor: ThreadPoolExecutor | None = None  # made at the first submit
         self.hits = self.misses = 0
         self.compile_seconds: list[float] = []  # one entry per compile (a cache miss)
+        self.json_filters: dict[bool, torch.Tensor] = {}  # see token_filter
+
+    def token_filter(self, params: StructuredOutputsParams) -> "torch.Tensor | None":
+        """For JSON, the tokens that spell no control character (bytes 0x00-0x1f), as a
+        bitmask row to AND with the grammar's; None for the other kinds. JSON allows none
+        of them raw (inside a string they are escaped; between tokens only whitespace), but
+        xgrammar 0.2's grammar for a string with minLength or maxLength admits them
+        (mlc-ai/xgrammar#800), and a strict parser then refuses the output. With
+        ``disable_any_whitespace=False`` tab, newline and carriage return stay allowed, as
+        whitespace between tokens (a raw tab inside a bounded string is then still possible)."""
+        if params.kind not in ("json", "json_object"):
+            return None
+        compact = params.disable_any_whitespace
+        with self.lock:
+            if compact not in self.json_filters:
+                whitespace = () if compact else (0x09, 0x0A, 0x0D)
+                banned = [i for i, spelling in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size])
+                          if any(b < 0x20 and b not in whitespace for b in spelling)]
+                self.json_filters[compact] = pack_bitmask(banned, self.vocab_size)
+            return self.json_filters[compact]
+
+    def lookup(self, params: StructuredOutputsParams):
+        """The CompiledGrammar of ``params`` if it is in the cache, else None (never compiles)."""
+        with self.lock:
+            compiled = self.cache.get(params.key)
+            if compiled is not None:
+                self.cache.move_to_end(params.key)
+                self.hits += 1
+            return compiled
 
     def compile(self, params: StructuredOutputsParams):
-        """The CompiledGrammar of ``params`` (from the cache when it has been compiled)."""
+        """The CompiledGrammar of ``params`` (from the cache when it has been compiled), on
+        this thread; InvalidParameter if it cannot be."""
+        compiled = self.lookup(params)
+        if compiled is not None:
+            return compiled
+        future, mine = self._claim(params.key)
+        if mine:
+            self._run(params, future)
+        return future.result()
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The same on the compiler's threads: a future of the CompiledGrammar (done at once
+        when it is cached)."""
+        compiled = self.lookup(params)
+        if compiled is not None:
+            done: Future = Future()
+            done.set_result(compiled)
+            return done
+        future, mine = self._claim(params.key)
+        if mine:
+            with self.lock:
+                if self.executor is None:
+                    self.executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="minivllm-grammar")
+            self.executor.submit(self._run, params, future)
+        return future
+
+    def _claim(self, key) -> tuple[Future, bool]:
+        """The future of ``key``'s compile, and whether the caller is to run it."""
+        with self.lock:
+            if key in self.cache:  # (compiled since the lookup)
+                done: Future = Future()
+                done.set_result(self.cache[key])
+                return done, False
+            if key in self.compiling:
+                return self.compiling[key], False
+            future = self.compiling[key] = Future()
+            future.set_running_or_notify_cancel()  # shared by every caller: none may cancel it
+            return future, True
+
+    def _run(self, params: StructuredOutputsParams, future: Future) -> None:
         key = params.key
-        with self.lock:
-            if key in self.cache:
-                self.cache.move_to_end(key)
-                self.hits += 1
-                return self.cache[key]
         start = time.perf_counter()
-        compiled = self._compile(params)
+        try:
+            compiled = self._compile(params)
+        except BaseException as e:  # handed to every caller waiting on it
+            with self.lock:
+                del self.compiling[key]
+            future.set_exception(e)
+            return
         with self.lock:
+            del self.compiling[key]
             self.misses += 1
             self.compile_seconds.append(time.perf_counter() - start)
             self.cache[key] = compiled
-            if len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
-        return compiled
+            self.cached_bytes += compiled.memory_size_bytes
+            # The newest always stays: the request that asked for it is about to use it.
+            while len(self.cache) > 1 and (len(self.cache) > self.cache_size or self.cached_bytes > self.cache_bytes):
+                _, dropped = self.cache.popitem(last=False)
+                self.cached_bytes -= dropped.memory_size_bytes
+        future.set_result(compiled)
 
     def _compile(self, params: StructuredOutputsParams):
         kind = params.kind
@@ -85,6 +177,15 @@ class GrammarCompiler:
         except RuntimeError as e:  # xgrammar's parse errors
             raise InvalidParameter(f"SamplingParams.structured_outputs.{kind}: invalid {DESCRIPTION[kind]}: "
                                    f"{xgrammar_message(e)}", "structured_outputs") from None
+
+
+def pack_bitmask(banned: list[int], vocab_size: int) -> torch.Tensor:
+    """One bitmask row ([ceil(vocab / 32)] int32) that allows every token but ``banned``."""
+    words = (vocab_size + 31) // 32
+    allowed = torch.ones(words * 32, dtype=torch.bool)
+    allowed[banned] = False
+    packed = (allowed.view(words, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return (packed - (packed >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # (two's complement)
 
 
 DESCRIPTION = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
@@ -116,14 +217,23 @@ def parse_schema(text: str) -> dict | bool:
     return schema
 
 
-def check_schema(schema, path: str = "#") -> None:
-    """Refuse a schema that uses a keyword xgrammar would not enforce, naming it and where."""
+def check_schema(schema, path: str = "#", depth: int = 0) -> None:
+    """Refuse a schema that uses a keyword xgrammar would not enforce, naming it and where,
+    or that nests deeper than MAX_SCHEMA_DEPTH."""
+    if not isinstance(schema, (dict, list)):
+        return
+    depth += 1
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidParameter(f"SamplingParams.structured_outputs.json: the JSON schema nests deeper than "
+                               f"{MAX_SCHEMA_DEPTH} levels (at {path})", "structured_outputs")
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            check_schema(item, f"{path}/{i}")
+            check_schema(item, f"{path}/{i}", depth)
         return
-    if not isinstance(schema, dict):
-        return
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    shape = next((k for k in ("pattern", "format") if k in schema), None)
+    if lengths and shape:  # xgrammar keeps the pattern or format and drops the lengths
+        unsupported(f"{' and '.join(map(repr, lengths))} together with {shape!r} (at {path})")
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in UNSUPPORTED_KEYWORDS:
@@ -134,9 +244,9 @@ def check_schema(schema, path: str = "#") -> None:
             unsupported(f"a $ref outside the schema ({value!r} at {where})")
         if key in SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                check_schema(sub, f"{where}/{name}")
+                check_schema(sub, f"{where}/{name}", depth)
         elif isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples", "required"):
-            check_schema(value, where)
+            check_schema(value, where, depth)
 
 
 def unsupported(what: str) -> None:

@@ -20,12 +20,15 @@ import torch
 class GrammarState:
     """Where one sequence stands in its grammar."""
 
-    def __init__(self, compiled_grammar):
+    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None):
         import xgrammar as xgr
 
         self.compiled = compiled_grammar
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.num_accepted = 0
+        # Tokens never to allow whatever the grammar says (GrammarCompiler.token_filter):
+        # a bitmask row ANDed with the grammar's.
+        self.token_filter = token_filter
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (and no change) if the grammar does not allow it."""
@@ -41,6 +44,8 @@ class GrammarState:
         """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
         if not self.is_terminated:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            if self.token_filter is not None:
+                bitmask[row] &= self.token_filter
 
     @classmethod
     def rebuild(cls, compiled_grammar, token_ids: list[int]) -> "GrammarState":
@@ -77,7 +82,13 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
         _per_thread.matcher.batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, [r for r, _ in live])
     else:
         for row, state in live:
-            state.fill(bitmask, row)
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+    filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the rows of each token filter, ANDed at once
+    for row, state in live:
+        if state.token_filter is not None:
+            filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
+    for token_filter, rows in filtered.values():
+        bitmask[rows] &= token_filter  # (one op for the batch: ~3 us per row otherwise)
     return bitmask
 
 

@@ -26,7 +26,8 @@ Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}
 so a bad request cannot touch another request's state. Every client is assumed careless and
 some hostile, so what one request can cost is bounded before any work is done for it (see
 ``ServerConfig``): the body's size, the stop lists, the number of prompts, the prompt's
-length (counted in characters before it is tokenized, and tokenized off the event loop).
+length (counted in characters before it is tokenized, and tokenized off the event loop), a
+grammar's size and nesting (compiled off the event loop too, see ``structured.compiler``).
 """
 import asyncio
 import dataclasses
@@ -84,7 +85,7 @@ class ServerConfig:
     # A chat_template in a request is code the server would run for a stranger: refused
     # unless the operator says every client is trusted (as vLLM's flag of the same name).
     trust_request_chat_template: bool = False
-    tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (server.tools.TOOL_PARSERS)
+    tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (structured.tools.TOOL_PARSERS)
 
     def __post_init__(self):
         for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
@@ -257,6 +258,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         except ValueError as e:
             raise APIError(400, f"{which}: {e}" if which != "the prompt" else str(e), param=param) from None
 
+    async def compile_grammar(params, body) -> None:
+        """The request's grammar compiled off the event loop (a JSON schema can take seconds,
+        and everyone else is served meanwhile): a bad one is the client's 400, naming the
+        field they wrote. The last check before the request starts: the cheap ones first."""
+        try:
+            await engine.compile_grammar(params)
+        except InvalidParameter as e:
+            source = structured_outputs(body)[1]
+            raise APIError(400, f"{source}: {e}", param=source) from None
+
     async def encode(text: str, add_special_tokens: bool = False) -> list[int]:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
@@ -413,6 +424,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             batch.append((ids, text))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoed = await echo_texts(batch) if body.echo else []
+        await compile_grammar(params, body)
         outputs = start(batch, params, request_id, request)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model_name}
         k = params.logprobs
@@ -460,6 +472,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         if plan is not None and plan.mode == "none":
             plan = None  # the tools reached the template; the answer is text
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await compile_grammar(params, body)
         outputs = start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model_name}
         k = params.logprobs
