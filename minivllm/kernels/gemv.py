@@ -12,13 +12,6 @@ multiply is free next to the load). Many programs, each with several loads in fl
 zeroed float32 buffer and a cast, two more launches, and at these sizes (4-12 MB) a launch's
 fixed latency of a few microseconds is most of the time (benchmarks/README.md); chapter 15
 measures how close to the roofline this gets.
-
-With ``gated``, x holds a gated MLP's [gate | up] halves and the kernel multiplies W by
-silu(gate) * up, computed as it loads x (the down projection of SwiGLU): the activation's own
-launch, and its round trip through memory, are gone. Each program recomputes the activation
-of the K columns it reads, a few thousand multiply-adds next to its share of W; the product
-is rounded to x's dtype before the dot, as the separate kernel rounds it, so the result is
-the same bit for bit.
 """
 import torch
 import triton
@@ -31,12 +24,12 @@ MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr,  # [M, K], M <= MAX_ROWS; with GATED [M, 2K]: [gate | up]
+    x_ptr,  # [M, K], M <= MAX_ROWS
     w_ptr,  # [N, K]
     b_ptr,  # [N] (read only with HAS_BIAS)
     out_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -45,12 +38,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        if GATED:  # silu(gate) * up, in float32 and rounded as kernels.elementwise rounds it
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
@@ -67,17 +55,12 @@ def gemv_config(n: int, k: int) -> dict:
     return {"BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-         **config) -> torch.Tensor:
-    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout). Returns x @ weight.T (+ bias).
-    With ``gated``, x is [M, 2K] ([gate | up]) and the result is (silu(gate) * up) @ weight.T."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout). Returns x @ weight.T (+ bias)."""
     m, k = x.shape
     n = weight.shape[0]
-    if gated:
-        k //= 2
-    if m > MAX_ROWS or weight.shape[1] != k or (gated and x.shape[1] != 2 * k):
-        width = f"{2 * weight.shape[1]} ([gate | up])" if gated else weight.shape[1]
-        raise ValueError(f"gemv takes at most {MAX_ROWS} rows of width {width}, got {tuple(x.shape)}")
+    if m > MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows of width {weight.shape[1]}, got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     config = config or gemv_config(n, k)
@@ -85,6 +68,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PRECISION=dot_precision(x.dtype), BLOCK_M=16, **config,
+        HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=16, **config,
     )
     return out

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
-from minivllm.ops.linear import act_linear, linear
+from minivllm.ops.linear import linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -160,16 +160,10 @@ class RowParallelLinear(Linear):
         start, size = split_rows(self.full_input_size, self.tp_rank, self.tp_size)
         param.data.copy_(loaded_weight.narrow(1, start, size))
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-        """y = x W^T (+ b); with ``activation``, x is a gated MLP's [gate | up] and y is
-        (act(gate) * up) W^T (+ b), fused where the op can (``ops.linear.act_linear``)."""
-        if activation is None:
-            partial = linear(x, self.weight, self.bias if self.tp_size == 1 else None)
-        else:
-            partial = act_linear(x, activation, self.weight, self.bias if self.tp_size == 1 else None)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return partial
-        y = all_reduce(partial)
+            return linear(x, self.weight, self.bias)
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

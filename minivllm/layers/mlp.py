@@ -19,6 +19,4 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down(act_fn(h)), with the activation handed to the down projection: at decode's
-        # few rows on a GPU one kernel computes both (ops.linear.act_linear).
-        return self.down_proj(self.gate_up_proj(x), self.act_fn.activation)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
