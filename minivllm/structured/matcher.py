@@ -88,7 +88,14 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
         if state.token_filter is not None:
             filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
     for token_filter, rows in filtered.values():
-        bitmask[rows] &= token_filter  # (one op for the batch: ~3 us per row otherwise)
+        # In place over each run of consecutive rows (usually one: every row of the batch):
+        # indexing with the row list would gather the rows, AND them and scatter them back,
+        # three passes over a bitmask of 4.9 MB at batch 256 and Qwen3's vocabulary.
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                bitmask[rows[start] : rows[i - 1] + 1] &= token_filter
+                start = i
     return bitmask
 
 
