@@ -387,3 +387,36 @@ def test_cli_chat_is_multi_turn(checkpoint, offline):
         [second] = offline.chat(history, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     lines = out.getvalue().splitlines()
     assert lines[1:3] == [first.outputs[0].text, second.outputs[0].text]
+
+
+def test_a_lagging_reader_gets_each_requests_newest_output_only():
+    """``merged`` hands on only the newest of a request's outputs that queued up while its
+    reader was busy (they are cumulative: the newest holds the others' tokens), and every
+    output when the reader keeps up."""
+    from contextlib import aclosing
+
+    from minivllm.server.api import merged
+
+    async def outputs(name: str, n: int, paced: asyncio.Event | None = None):
+        for k in range(n):
+            if paced is not None:
+                await paced.wait()
+                paced.clear()
+            yield f"{name}{k}"  # stands for a cumulative RequestOutput
+
+    async def lagging():
+        async with aclosing(merged([outputs("a", 5), outputs("b", 3)])) as events:
+            return [x async for x in events]  # both streams queue everything before the first read
+
+    async def keeping_up():
+        go = asyncio.Event()
+        got = []
+        async with aclosing(merged([outputs("a", 4, go)])) as events:
+            go.set()
+            async for x in events:
+                got.append(x)
+                go.set()
+        return got
+
+    assert asyncio.run(lagging()) == [(0, "a4"), (1, "b2")]
+    assert asyncio.run(keeping_up()) == [(0, "a0"), (0, "a1"), (0, "a2"), (0, "a3")]

@@ -599,7 +599,13 @@ def docs_html(spec: dict, bodies: dict) -> str:
 async def merged(outputs: list):
     """``(index, output)`` from several requests' outputs, as each arrives. Closing this
     closes every one of them (which aborts those not finished); an error of one (the engine
-    failed it, or died) is raised here, and the others are closed too."""
+    failed it, or died) is raised here, and the others are closed too.
+
+    A request's outputs are cumulative (each holds all its text so far), so when several of
+    one request have queued up while the reader was busy (a server behind its streams, under
+    load), only the newest is handed on: one event carries all their tokens, and the server
+    catches up instead of writing an event per step it is behind (vLLM merges a lagging
+    stream's outputs the same way)."""
     queue: asyncio.Queue = asyncio.Queue()
     finished = object()
 
@@ -617,13 +623,17 @@ async def merged(outputs: list):
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
-            if item is finished:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            newest = {i: k for k, (i, item) in enumerate(batch) if item is not finished and not isinstance(item, Exception)}
+            for k, (i, item) in enumerate(batch):
+                if item is finished:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                elif newest[i] == k:
+                    yield i, item
     finally:
         for task in tasks:
             task.cancel()  # a request still running: cancelling its wait aborts it
