@@ -12,6 +12,7 @@ Preemption needs nothing here: this engine recomputes a preempted sequence from 
 which it keeps, and its matcher has accepted exactly those tokens; ``rebuild`` makes a
 matcher that has from a list of tokens (what a server that lost its matchers would do).
 """
+import os
 import threading
 
 import torch
@@ -69,6 +70,12 @@ BATCH_FILL_ROWS = 8
 _per_thread = threading.local()  # a batch matcher (its thread pool) for each engine thread
 
 
+def fill_threads() -> int:
+    """Half the cores this process may run on (at least 1, at most 8)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(8, cores // 2))
+
+
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor:
     """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
     where a row has no grammar."""
@@ -78,7 +85,10 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
         import xgrammar as xgr
 
         if not hasattr(_per_thread, "matcher"):
-            _per_thread.matcher = xgr.BatchGrammarMatcher()
+            # Threads for the cores this process may use: xgrammar's "auto" takes half of the
+            # machine's (std::thread::hardware_concurrency), which in a container limited to
+            # a few cores of a large host is far more threads than cores.
+            _per_thread.matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads())
         _per_thread.matcher.batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, [r for r, _ in live])
     else:
         for row, state in live:
