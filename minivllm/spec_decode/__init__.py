@@ -14,7 +14,9 @@ lies beyond its end and is overwritten later.
 
 Limits of this first version: the engine runs the synchronous loop (the proposer needs the
 accepted tokens on the host before it schedules the next step); a verifying step has
-several tokens per sequence, so it runs eagerly, not in a decode CUDA graph; requests
+several tokens per sequence, so it is not a decode CUDA graph: on a GPU a step verifying
+one sequence replays the runner's prefill graph of 16 tokens, one with several sequences
+runs eagerly, and so do the draft model's own passes; requests
 with penalties or bad words are not speculated (each draft row would need its own token
 history); hybrid models, tensor parallelism, n > 1, prompt_logprobs and structured outputs
 are refused.
