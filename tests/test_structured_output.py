@@ -416,3 +416,48 @@ def test_the_batch_bitmask_is_each_rows_own(llm):
     token_filter = unpack_bitmask(states[0].token_filter.unsqueeze(0), vocab)[0]
     assert (grammar & ~token_filter).any()
     assert torch.equal(unpack_bitmask(batch[:1], vocab)[0], grammar & token_filter)
+
+
+def test_a_batch_accepts_on_threads_what_one_by_one_accepts(llm):
+    """From BATCH_FILL_ROWS rows the grammars take their tokens through xgrammar's batch
+    matcher: the same verdicts as one at a time, a refused token leaving its state as it was."""
+    from minivllm.structured import matcher
+
+    out = run(llm, StructuredOutputsParams(json=PERSON), n_seeds=1, max_tokens=20)[0]
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(json=PERSON))
+    vocab = llm.engine.runner.model_config.vocab_size
+
+    def walked(i):
+        state = GrammarState(compiled)
+        for t in out.token_ids[:i]:
+            assert state.accept(t)
+        return state
+
+    positions = list(range(12))
+    tokens = [out.token_ids[i] if i % 3 else out.token_ids[0] for i in positions]  # "{" again: refused after the first
+    batched, single = [walked(i) for i in positions], [walked(i) for i in positions]
+    assert len(batched) >= matcher.BATCH_FILL_ROWS
+    got = matcher.accept_tokens(batched, tokens)
+    assert got == [s.accept(t) for s, t in zip(single, tokens)]
+    assert True in got and False in got[1:]
+    for a, b in zip(batched, single):
+        assert a.num_accepted == b.num_accepted
+        assert torch.equal(fill_bitmask([a], vocab), fill_bitmask([b], vocab))
+
+
+def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
+    """If a sampled token were one the grammar does not allow (the mask prevents it; here the
+    mask is switched off), that request ends with finish_reason "error" and its message, and
+    the unconstrained request beside it runs to its end: with enough constrained rows for the
+    batch path and with one."""
+    engine_llm = LLM(async_scheduling=False, num_kv_blocks=512)
+    engine = engine_llm.engine
+    monkeypatch.setattr(type(engine), "_bitmask", lambda self, requests: None)  # no mask: the model is free
+    choice = StructuredOutputsParams(choice=["qqqq"])
+    for constrained in (1, 9):
+        params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice)] * constrained
+        params.append(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        outs = engine_llm.generate(["The letter said"] * len(params), params, use_tqdm=False)
+        for o in outs[:-1]:
+            assert o.outputs[0].finish_reason == "error" and "not allowed by the grammar" in o.error, o.outputs[0]
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 8

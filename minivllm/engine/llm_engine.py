@@ -436,6 +436,7 @@ class LLMEngine:
             for request in self._take_prompt_scores(step, scored):  # those that failed
                 finished.append(request.seq.seq_id)
                 touched[request.seq.request_id] = request.group[0]
+        grammar_ok = self._accept_grammar_tokens(step, sampled) if sampled is not None else {}
         row = 0
         for j, request in enumerate(step.requests):
             seq = request.seq
@@ -443,6 +444,13 @@ class LLMEngine:
             first, row = row, row + len(step.drafts[j]) + 1  # this request's sampler rows
             if self.requests.get(seq.request_id) is not request.group[0] or seq.is_finished:
                 continue  # aborted, or finished by an earlier step, while this one ran
+            if grammar_ok.get(j) is False:
+                # The mask allowed only what the grammar allows: this is a bug, but one request's.
+                self._fail(request, f"structured output: the sampled token {sampled.token_ids[first]} is not "
+                                    "allowed by the grammar")
+                finished.append(seq.seq_id)
+                touched[seq.request_id] = request.group[0]
+                continue
             emitted = range(first, first + (accepted[j] if accepted else 0) + 1)
             failed = next((r for r in emitted if r in sampled.errors), None)
             if failed is not None:
@@ -450,7 +458,7 @@ class LLMEngine:
             else:
                 try:
                     for r in emitted:  # in order, each through every stop condition; stop at the first that ends it
-                        self._append_token(request, sampled.token_ids[r], sampled.logprobs[r])
+                        self._append_token(request, sampled.token_ids[r], sampled.logprobs[r], j in grammar_ok)
                         if seq.is_finished:
                             break
                 except Exception as e:  # e.g. its detokenizer: this request's problem alone
@@ -548,8 +556,26 @@ class LLMEngine:
             self.scheduler.running.append(request.seq)
         first.seq.num_forks = 0
 
-    def _append_token(self, request: RequestState, token: int, logprobs) -> None:
-        if request.grammar is not None and not request.grammar.accept(token):
+    def _accept_grammar_tokens(self, step: "LaunchedStep", sampled) -> dict[int, bool]:
+        """Advance the grammars of the step's constrained requests by their sampled tokens,
+        all at once (on the matchers' threads at a large batch); {request's index in the
+        step: whether its grammar took the token}. Only requests that emit exactly one token
+        this step, which is every constrained one (speculation refuses structured outputs)."""
+        from minivllm.structured.matcher import accept_tokens
+
+        rows, states, tokens, row = [], [], [], 0
+        for j, request in enumerate(step.requests):
+            first, row = row, row + len(step.drafts[j]) + 1
+            live = self.requests.get(request.seq.request_id) is request.group[0] and not request.seq.is_finished
+            if request.grammar is not None and live and not step.drafts[j] and first not in sampled.errors:
+                rows.append(j)
+                states.append(request.grammar)
+                tokens.append(sampled.token_ids[first])
+        return dict(zip(rows, accept_tokens(states, tokens))) if rows else {}
+
+    def _append_token(self, request: RequestState, token: int, logprobs, grammar_accepted: bool = False) -> None:
+        """Append one token; ``grammar_accepted``: the request's grammar has taken it already."""
+        if request.grammar is not None and not grammar_accepted and not request.grammar.accept(token):
             # The mask allowed only what the grammar allows: this is a bug, but one request's.
             self._fail(request, f"structured output: the sampled token {token} is not allowed by the grammar")
             return
