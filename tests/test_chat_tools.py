@@ -15,18 +15,10 @@ from minivllm.server.protocol import ChatCompletionRequest
 from minivllm.server.tools import template_messages
 from minivllm.structured.tools import MAX_TOOL_CALLS, parse_tool_calls, tool_plan
 from minivllm.tokenizer import encode_chat
+from shared import MESSAGES, SCHEMAS, TOOLS, WEATHER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "What is the weather like in Paris?"}]
 # A template that shows what it is given: the tools, each message, and an assistant's calls
 # with one of their arguments read as an object's field (as Qwen's and Hermes' templates do).
 TEMPLATE = ("{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}"

@@ -22,6 +22,7 @@ from minivllm.structured.tools import HermesToolParser, Llama3JsonToolParser, co
 from minivllm.server.protocol import ChatCompletionRequest
 from minivllm.testing import torch_threads
 from minivllm.tokenizer import encode_chat
+from shared import MESSAGES, SCHEMAS, TIME, TOOLS, WEATHER
 
 MODEL = "bundled"
 PERSON = {
@@ -30,15 +31,6 @@ PERSON = {
                    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
     "required": ["name", "age", "pets"],
 }
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "What is the weather like in Paris?"}]
 SEEDS = range(6)
 
 

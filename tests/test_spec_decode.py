@@ -12,6 +12,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.spec_decode import SpeculativeConfig, num_accepted, propose_ngram
 from minivllm.testing import make_tiny_checkpoint
+from shared import same_outputs as same
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,20 +165,6 @@ def workload(seed: int, n: int = 24):
         else:
             params.append(SamplingParams(temperature=0, max_tokens=None))  # until EOS or the context's end
     return prompts, params
-
-
-def same(a, b, logprob_tol=1e-5) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        x, y = x.outputs[0], y.outputs[0]
-        assert x.token_ids == y.token_ids
-        assert x.text == y.text
-        assert (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
-        if x.logprobs is not None:
-            for e, f in zip(x.logprobs, y.logprobs, strict=True):
-                assert {t: lp.rank for t, lp in e.items()} == {t: lp.rank for t, lp in f.items()}
-                assert [lp.logprob for lp in e.values()] == pytest.approx([lp.logprob for lp in f.values()],
-                                                                          abs=logprob_tol)
 
 
 def accepted(llm) -> int:

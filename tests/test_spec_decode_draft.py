@@ -16,6 +16,7 @@ from minivllm.llm import BUNDLED_MODEL
 from minivllm.spec_decode import SpeculativeConfig
 from minivllm.spec_decode.draft import BUNDLED_DRAFT, DraftModelProposer, DraftState
 from minivllm.testing import make_layer_skip_draft, make_tiny_checkpoint
+from shared import same_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,18 +58,8 @@ def draft(model, k=3) -> dict:
 
 
 def same(a, b, logprob_tol=1e-5) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        x, y = x.outputs[0], y.outputs[0]
-        assert x.token_ids == y.token_ids
-        assert x.text == y.text
-        assert (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
-        if x.logprobs is not None:
-            for e, f in zip(x.logprobs, y.logprobs, strict=True):
-                assert {t: lp.rank for t, lp in e.items()} == {t: lp.rank for t, lp in f.items()}
-                # (float32: a verifying chunk and a decode step sum in other orders; rel for the unlikely tokens)
-                assert [lp.logprob for lp in e.values()] == pytest.approx([lp.logprob for lp in f.values()],
-                                                                          rel=1e-5, abs=logprob_tol)
+    # (float32: a verifying chunk and a decode step sum in other orders; rel for the unlikely tokens)
+    same_outputs(a, b, logprob_tol, rel=1e-5)
 
 
 def stats(llm) -> dict:
