@@ -205,6 +205,31 @@ def test_gemv(rows, block_n, with_bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, **TOL)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("block_n,block_k", [(16, 64), (32, 128)])
+def test_gemv_silu_and_mul(rows, block_n, block_k):
+    """The gate/up product ending in SwiGLU equals the two-kernel path it replaces."""
+    from minivllm.kernels.gemv import gemv, gemv_silu_and_mul
+    from minivllm.ops.activation import silu_and_mul
+
+    # Widths that are not multiples of the blocks, and a K of several tiles.
+    n, k = (3072 + 40, 1024 + 24) if CUDA else (50, 300)
+    x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(2 * n, k, device=DEVICE, dtype=DTYPE) / k**0.5
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k if not CUDA else 4 * block_k, "num_warps": 4, "num_stages": 2}
+    out = gemv_silu_and_mul(x, w, **config)
+    assert out.shape == (rows, n) and out.dtype == x.dtype and not out.isnan().any()
+    gate_up = x.float() @ w.float().T
+    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    # Against the unfused kernels on the same inputs: the same rounding of gate and up.
+    unfused = silu_and_mul(gemv(x, w, **config)).float()
+    torch.testing.assert_close(out.float(), unfused, atol=1e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
+    torch.testing.assert_close(gemv_silu_and_mul(x, w).float(), ref, **TOL)  # the default blocks
+    with pytest.raises(ValueError, match="even"):
+        gemv_silu_and_mul(x, w[:-1])
+
+
 def test_kernels_reject_bad_shapes():
     from minivllm.kernels.elementwise import rms_norm, silu_and_mul
 

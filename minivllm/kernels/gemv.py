@@ -12,12 +12,21 @@ multiply is free next to the load). Many programs, each with several loads in fl
 zeroed float32 buffer and a cast, two more launches, and at these sizes (4-12 MB) a launch's
 fixed latency of a few microseconds is most of the time (benchmarks/README.md); chapter 15
 measures how close to the roofline this gets.
+
+With Programmatic Dependent Launch (``kernels.pdl``) a gemv's first weight tile is loaded
+before it waits for the kernel before it: the weights never depend on an earlier kernel, so
+their first bytes stream in while that kernel finishes.
+
+The feed-forward's gate and up projections can end in SwiGLU here (``gemv_silu_and_mul``):
+each program computes the same columns of gate and of up and writes silu(gate) * up, so the
+[rows, 2I] intermediate and the SiLU-and-mul kernel are gone.
 """
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 
@@ -25,26 +34,46 @@ MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr,  # [M, K], M <= MAX_ROWS
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K] (GATED: [2N, K], the gate's N rows then up's)
     b_ptr,  # [N] (read only with HAS_BIAS)
     out_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n[:, None] * stride_wn
+    # The first K tile of the weights is loaded before waiting for the kernel before
+    # (which wrote x, not W); the loop takes the rest.
+    w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    if GATED:
+        w_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    wait_for_previous(USE_PDL)
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if GATED:
+        acc_up = tl.dot(x, tl.trans(w_up), input_precision=PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + k
+        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if GATED:
+            w_up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION)
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        # As the unfused path computes it: gate and up rounded to the activations' dtype
+        # (the gate_up output), then SiLU-and-mul in float32.
+        gate = acc.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)
     mask = (m[:, None] < M) & (n[None, :] < N)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=mask)
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -55,19 +84,45 @@ def gemv_config(n: int, k: int) -> dict:
     return {"BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
-    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout). Returns x @ weight.T (+ bias)."""
+def gated_config(n: int, k: int) -> dict:
+    """Block shape of gemv_silu_and_mul for n output columns (2n weight rows): half the
+    column block of the [2n, k] matrix, since each program loads its columns twice."""
+    config = gemv_config(2 * n, k)
+    return {**config, "BLOCK_N": max(16, config["BLOCK_N"] // 2)}
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
-    n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows of width {weight.shape[1]}, got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    config = config or gemv_config(n, k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(x, weight, bias, out, n, gated, config):
+    m, k = x.shape
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), BLOCK_M=16, **config,
+        HAS_BIAS=bias is not None, GATED=gated, PRECISION=dot_precision(x.dtype), BLOCK_M=16,
+        **pdl_options(x), **config,
     )
     return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout). Returns x @ weight.T (+ bias)."""
+    x = _check(x, weight)
+    n = weight.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, out, n, False, config or gemv_config(n, x.shape[1]))
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, **config) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [2N, K], the gate's rows then up's (GateUpLinear).
+    Returns silu(x @ W_gate.T) * (x @ W_up.T): [M, N]."""
+    x = _check(x, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"gemv_silu_and_mul needs [gate | up] rows (an even count), got {weight.shape[0]}")
+    n = weight.shape[0] // 2
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return _launch(x, weight, None, out, n, True, config or gated_config(n, x.shape[1]))

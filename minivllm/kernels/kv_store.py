@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -15,8 +17,9 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous: row s is slot s
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], likewise
     slot_ptr,  # [num_tokens]: each token's flat slot, -1 for padding
-    stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -42,5 +45,5 @@ def store_kvcache(
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not hold [.., {heads}, {head_dim}] rows")
     _store_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
+        ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_options(k),
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
+
 
 # The per-row settings are rows of one small tensor (sampler.rows_to_device), whose offsets
 # move with the batch size: no alignment specialisation for them (kernels.common).
@@ -26,8 +28,9 @@ def _gumbel_argmax_kernel(
     seeds_ptr,  # [rows] int64: each row's noise seed
     best_ptr,  # [rows, SPLITS] float32: each split's best value
     best_idx_ptr,  # [rows, SPLITS] int32: and its first index
-    stride, vocab, split_len, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    stride, vocab, split_len, BLOCK: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy = tl.load(greedy_ptr + row) != 0
@@ -58,8 +61,9 @@ def _merge_splits_kernel(
     best_ptr,  # [rows, SPLITS] float32
     best_idx_ptr,  # [rows, SPLITS] int32
     out_ptr,  # [rows] int64
-    vocab, num_splits, SPLITS: tl.constexpr,
+    vocab, num_splits, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, SPLITS)
     live = lanes < num_splits
@@ -97,6 +101,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     best_idx = torch.empty(rows, max_splits, dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, splits)](logits, temperature, greedy, seeds, best, best_idx, logits.stride(0),
-                                          vocab, split_len, BLOCK=block, SPLITS=max_splits, num_warps=8)
-    _merge_splits_kernel[(rows,)](best, best_idx, out, vocab, splits, SPLITS=max_splits)
+                                          vocab, split_len, BLOCK=block, SPLITS=max_splits, num_warps=8,
+                                          **pdl_options(logits))
+    _merge_splits_kernel[(rows,)](best, best_idx, out, vocab, splits, SPLITS=max_splits, **pdl_options(logits))
     return out

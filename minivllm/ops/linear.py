@@ -1,19 +1,38 @@
-"""y = x W^T (+ b) as an op.
+"""y = x W^T (+ b) as an op, and the feed-forward's gated projection act(x W_gate^T) * x W_up^T.
 
 Decode at a small batch on the GPU is a matrix times a few vectors, bound by reading W:
 there ``kernels.gemv`` beats a general GEMM, up to the rows it is built for
-(``gemv.MAX_ROWS``). Everything else is torch's GEMM.
+(``gemv.MAX_ROWS``), and for SwiGLU it ends the gate/up product in the activation, one
+kernel instead of two. Everything else is torch's GEMM and the activation op.
 """
 import torch
 import torch.nn.functional as F
 
+from minivllm.ops.activation import act_and_mul
 from minivllm.ops.dispatch import use_triton
 
 
+def _gemv_serves(x: torch.Tensor) -> bool:
+    if not (use_triton(x) and x.dim() == 2):
+        return False
+    from minivllm.kernels import gemv
+
+    return x.shape[0] <= gemv.MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if use_triton(x) and x.dim() == 2:
+    if _gemv_serves(x):
         from minivllm.kernels import gemv
 
-        if x.shape[0] <= gemv.MAX_ROWS:
-            return gemv.gemv(x, weight, bias)
+        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up where [gate | up] = x W^T (+ b), W holding the gate's rows then up's."""
+    if activation == "silu" and bias is None and _gemv_serves(x):
+        from minivllm.kernels import gemv
+
+        return gemv.gemv_silu_and_mul(x, weight)
+    return act_and_mul(linear(x, weight, bias), activation)

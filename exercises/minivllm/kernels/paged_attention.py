@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
@@ -74,8 +75,9 @@ def _decode_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     PARTITION, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,8 +123,9 @@ def _merge_kernel(
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
     out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -198,14 +201,14 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         partition, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **config,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **pdl_options(q), **config,
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl_options(q),
     )
     return out
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -27,8 +29,9 @@ def _rms_norm_kernel(
     res_out_ptr,  # [rows, n_cols]: x + residual (written only with HAS_RESIDUAL)
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,14 +63,14 @@ def rms_norm(
     if residual is None:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-            HAS_RESIDUAL=False, BLOCK=block,
+            HAS_RESIDUAL=False, BLOCK=block, **pdl_options(x),
         )
         return out.view(shape)
     res2 = residual.reshape(-1, n).contiguous()
     res_out = torch.empty_like(res2)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-        HAS_RESIDUAL=True, BLOCK=block,
+        HAS_RESIDUAL=True, BLOCK=block, **pdl_options(x),
     )
     return out.view(shape), res_out.view(shape)
 
@@ -76,8 +79,9 @@ def rms_norm(
 def _silu_and_mul_kernel(
     x_ptr,  # [rows, 2 * n_cols]: [gate | up]
     out_ptr,  # [rows, n_cols]
-    stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+    stride_x, stride_out, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -97,7 +101,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
+                                                                    **pdl_options(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -144,7 +149,9 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
     n_q_heads, n_k_heads, eps,
     HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
@@ -193,6 +200,6 @@ def qk_norm_rope(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
         q_heads, k_heads, eps,
         HALF=half, BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
-        HAS_NORM=has_norm,
+        HAS_NORM=has_norm, **pdl_options(q),
     )
     return q_out, k_out
