@@ -185,8 +185,8 @@ def test_qk_norm_rope(with_norm):
     torch.testing.assert_close(k_out.float(), apply_rotary(k_ref, cos, sin), **tol)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("block_n", [16, 64])
+# One row takes the sum-of-products path (blocks narrower than 16 allowed), more rows the tensor cores.
+@pytest.mark.parametrize("rows,block_n", [(1, 4), (1, 16), (1, 64), (3, 16), (16, 16), (16, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv(rows, block_n, with_bias):
     from minivllm.kernels.gemv import gemv
@@ -205,8 +205,7 @@ def test_gemv(rows, block_n, with_bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, **TOL)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("block_n,block_k", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("rows,block_n,block_k", [(1, 4, 64), (1, 16, 128), (5, 16, 64), (16, 32, 128)])
 def test_gemv_silu_and_mul(rows, block_n, block_k):
     """The gate/up product ending in SwiGLU equals the two-kernel path it replaces."""
     from minivllm.kernels.gemv import gemv, gemv_silu_and_mul

@@ -7,8 +7,11 @@ General GEMM libraries tile for large M and reach only a fraction of the bandwid
 (measured in chapter 15); this kernel is shaped for the case instead. Each program owns
 BLOCK_N output columns and walks K in BLOCK_K steps; the few rows of x are padded to the
 16 that a tensor-core ``tl.dot`` needs (the padding costs no memory traffic, and the
-multiply is free next to the load). Many programs, each with several loads in flight
-(``num_stages``), keep the bytes moving. K is not split across programs: that needs a
+multiply is free next to the load). A single row (batch-1 decode) is multiplied without
+the tensor cores, as products summed along K: then a program may own fewer than 16
+columns, and a matrix of 1,024 columns is split over more programs than the 64 that
+16-column blocks give it (the H200 has 132 SMs). Many programs, each with several loads in
+flight (``num_stages``), keep the bytes moving. K is not split across programs: that needs a
 zeroed float32 buffer and a cast, two more launches, and at these sizes (4-12 MB) a launch's
 fixed latency of a few microseconds is most of the time (benchmarks/README.md); chapter 15
 measures how close to the roofline this gets.
@@ -31,6 +34,16 @@ from minivllm.kernels.pdl import pdl_options, wait_for_previous
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 
 
+@triton.jit
+def _tile_product(x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed: [BLOCK_M, BLOCK_N] float32.
+    On the tensor cores (DOT: BLOCK_M >= 16, the rows padded), or for one row (BLOCK_M = 1)
+    as products summed along K, which lets a program own fewer than 16 columns."""
+    if DOT:
+        return tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr,  # [M, K], M <= MAX_ROWS
@@ -38,8 +51,8 @@ def _gemv_kernel(
     b_ptr,  # [N] (read only with HAS_BIAS)
     out_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -53,17 +66,17 @@ def _gemv_kernel(
         w_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
     wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    acc = _tile_product(x, w, DOT, PRECISION)
     if GATED:
-        acc_up = tl.dot(x, tl.trans(w_up), input_precision=PRECISION)
+        acc_up = _tile_product(x, w_up, DOT, PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        acc += _tile_product(x, w, DOT, PRECISION)
         if GATED:
             w_up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=PRECISION)
+            acc_up += _tile_product(x, w_up, DOT, PRECISION)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -76,19 +89,23 @@ def _gemv_kernel(
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=mask)
 
 
-def gemv_config(n: int, k: int) -> dict:
-    """Block shape per matrix, from scripts/tune_gemv.py on an H200: narrow matrices take
-    thin column blocks (more programs) and long K steps (fewer loop trips)."""
+def gemv_config(n: int, k: int, rows: int = 2) -> dict:
+    """Block shape per matrix, from scripts/tune_gemv.py on an H200 (chains of 28 matrices
+    read from HBM): narrow matrices take thin column blocks (more programs) and long K steps
+    (fewer loop trips). One row takes the sum-of-products path, whose blocks may be
+    narrower than the tensor cores' 16 (``_tile_product``)."""
+    if rows == 1:
+        return {"BLOCK_N": 8 if n < 4096 else 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
     if n < 4096:
         return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
-def gated_config(n: int, k: int) -> dict:
+def gated_config(n: int, k: int, rows: int = 2) -> dict:
     """Block shape of gemv_silu_and_mul for n output columns (2n weight rows): half the
     column block of the [2n, k] matrix, since each program loads its columns twice."""
-    config = gemv_config(2 * n, k)
-    return {**config, "BLOCK_N": max(16, config["BLOCK_N"] // 2)}
+    config = gemv_config(2 * n, k, rows)
+    return {**config, "BLOCK_N": max(4 if rows == 1 else 16, config["BLOCK_N"] // 2)}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -103,8 +120,8 @@ def _launch(x, weight, bias, out, n, gated, config):
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PRECISION=dot_precision(x.dtype), BLOCK_M=16,
-        **pdl_options(x), **config,
+        HAS_BIAS=bias is not None, GATED=gated, DOT=m > 1, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=16 if m > 1 else 1, **pdl_options(x), **config,
     )
     return out
 
@@ -114,7 +131,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x = _check(x, weight)
     n = weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, n, False, config or gemv_config(n, x.shape[1]))
+    return _launch(x, weight, bias, out, n, False, config or gemv_config(n, x.shape[1], x.shape[0]))
 
 
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, **config) -> torch.Tensor:
@@ -125,4 +142,4 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, **config) -> torch.
         raise ValueError(f"gemv_silu_and_mul needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, None, out, n, True, config or gated_config(n, x.shape[1]))
+    return _launch(x, weight, None, out, n, True, config or gated_config(n, x.shape[1], x.shape[0]))
