@@ -87,6 +87,21 @@ def test_paged_decode_padding_rows_give_zero():
     torch.testing.assert_close(out[:1].float(), ref, **TOL)
 
 
+def test_paged_decode_splits_merged_by_log_sum_exp():
+    """Contexts several splits long, so that the merge weighs real partial softmaxes by their
+    log-sum-exp (natural log; the kernel's running max is in base 2)."""
+    from minivllm.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, block_size = SHAPES[0]
+    lens = [200, 70, 129, 3] if not CUDA else [4000, 700, 1500, 3]
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    q = 4 * torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)  # peaked softmaxes
+    out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                 head_dim**-0.5, max(lens), num_splits=4)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("window", [None, 5 if not CUDA else 100])
 def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):
