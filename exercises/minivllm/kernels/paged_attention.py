@@ -52,15 +52,18 @@ def _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION: tl.constexpr):
     the running max of s * qk_scale (base-2 units), l [rows] the running sum, acc [rows,
     head_dim] the running weighted values. Returns the new (m, l, acc)."""
     raise NotImplementedError(
-        "ch09: online softmax, part 1 (per query head, i.e. per row of s): m_new = the larger of m "
-        "and the row max of s; m_safe = m_new, or 0 for a row that has seen no visible key yet "
-        "(m_new still -inf: tl.where, so that no exp computes -inf - -inf); alpha = exp(m - "
-        "m_safe), the factor that rescales everything summed under the old max; p = exp(s - "
-        "m_safe); l = l * alpha + the row sum of p, see notebooks/09_triton_kernels.ipynb"
+        "ch09: online softmax, part 1, in base 2 (per query head, i.e. per row of s; s holds raw "
+        "scores and qk_scale is the softmax scale times log2(e), so tl.exp2(s * qk_scale) is exp(s "
+        "* scale)): m_new = the larger of m and the row max of s times qk_scale; m_safe = m_new, "
+        "or 0 for a row that has seen no visible key yet (m_new still -inf: tl.where, so that no "
+        "exp2 computes -inf - -inf); alpha = tl.exp2(m - m_safe), the factor that rescales "
+        "everything summed under the old max; p = tl.exp2(s * qk_scale - m_safe); l = l * alpha + "
+        "the row sum of p, see notebooks/09_triton_kernels.ipynb"
     )
     raise NotImplementedError(
-        "ch09: online softmax, part 2: acc = acc rescaled by alpha (one factor per row) + tl.dot(p "
-        "cast to v.dtype, v, input_precision=PRECISION), see notebooks/09_triton_kernels.ipynb"
+        "ch09: online softmax, part 2: acc = tl.dot(p cast to v.dtype, v, acc rescaled by alpha "
+        "(one factor per row), input_precision=PRECISION): the third argument is the accumulator "
+        "the product is added to, see notebooks/09_triton_kernels.ipynb"
     )
     return m_new, l, acc
 
