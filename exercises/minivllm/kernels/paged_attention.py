@@ -26,10 +26,12 @@ Prefill is compute-bound for long prompts:
 One program handles BLOCK_M query positions of one sequence for all the query heads of one
 KV group (a [BLOCK_M * group, head_dim] tile, so each K/V tile it loads serves the whole
 group) and walks the keys up to its causal limit: first the tiles every query sees, without
-a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys.
+a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys. The
+last query tiles (the most keys) are launched first, and the block table is read once per
+cache block of a key tile, a tile ahead of the loads that need it.
 
 Both kernels fold each tile of scores into the running softmax with one helper,
-``_online_softmax_update``.
+``_online_softmax_update``, in base 2 (exp2 of the scores times scale * log2(e)).
 """
 import torch
 import triton
@@ -360,11 +362,17 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": True}
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
-    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps, 2
-    # stages: the sweep's best on the three workloads of head_dim 128 before the switches
-    # existed (tiles of 128 rows and 8 warps were 10-25% slower). Wider heads halve the key tile.
+    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps: the
+    # sweep's best shape on the three workloads of head_dim 128 before the switches existed
+    # (tiles of 128 rows and 8 warps were 10-25% slower). 3 stages with PREFETCH, from the
+    # compiled code for sm_90 rather than a measurement: Triton's pipeliner spends a stage on
+    # each level of load-to-address indirection, so a lookup inside the tile's own chain left
+    # K and V one tile ahead (a wait for every copy at the top of each step) whatever the
+    # stages; with the lookup a tile ahead, 3 stages keep the next tile's K and V in flight
+    # while this one is computed (3 buffers, 112 KiB of shared memory: 2 programs per SM).
+    # Wider heads halve the key tile.
     return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
-            "num_warps": 4, "num_stages": 2, **switches}
+            "num_warps": 4, "num_stages": 3, **switches}
 
 
 def paged_prefill_attention(
