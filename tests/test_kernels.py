@@ -87,6 +87,21 @@ def test_paged_decode_padding_rows_give_zero():
     torch.testing.assert_close(out[:1].float(), ref, **TOL)
 
 
+def test_paged_decode_splits_merged_by_log_sum_exp():
+    """Contexts several splits long, so that the merge weighs real partial softmaxes by their
+    log-sum-exp (natural log; the kernel's running max is in base 2)."""
+    from minivllm.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, block_size = SHAPES[0]
+    lens = [200, 70, 129, 3] if not CUDA else [4000, 700, 1500, 3]
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    q = 4 * torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)  # peaked softmaxes
+    out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                 head_dim**-0.5, max(lens), num_splits=4)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("window", [None, 5 if not CUDA else 100])
 def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):
@@ -107,6 +122,87 @@ def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):
     ref = reference(q, k_cache, v_cache, tables, lens, q_lens, scale, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+# Tile shapes and switches of the prefill kernel, each against the reference: a tile of keys
+# inside one cache block, exactly one, spanning several, and a block size that is not a power
+# of two (each key's block looked up on its own); all eight combinations of the switches.
+if CUDA:
+    PREFILL_TILINGS = [(64, 32, 16), (16, 32, 64), (16, 32, 16), (48, 32, 64), (16, 64, 128)]  # (block_size, BLOCK_M, BLOCK_N)
+else:
+    PREFILL_TILINGS = [(8, 4, 4), (4, 4, 4), (4, 4, 16), (6, 4, 8)]
+SWITCHES = [dict(PREFETCH=p, K_T=t, PER_BLOCK=b) for p in (False, True) for t in (False, True) for b in (False, True)]
+
+
+def check_prefill(heads, kv_heads, head_dim, block_size, lens, q_lens, window=None, config=None, seed=0):
+    """The prefill kernel on random inputs against the float32 reference, into an output
+    filled with NaN first: a row the kernel does not write stays NaN."""
+    from minivllm.kernels.paged_attention import paged_prefill_attention
+
+    torch.manual_seed(seed)
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(device=DEVICE, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                  cu, max(q_lens), scale, sliding_window=window, config=config, out=out)
+    assert got is out
+    assert not out.isnan().any(), f"{out.isnan().any(-1).any(-1).sum().item()} query rows left unwritten"
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, lens, q_lens, scale, window), **TOL)
+
+
+# Fresh prompts, prompts after a cached prefix (a chunk), a decode row, lengths on and off
+# tile and block boundaries.
+PREFILL_BATCH = ([700, 1030, 64, 5, 257, 129], [700, 30, 64, 1, 200, 128]) if CUDA else \
+    ([23, 40, 8, 5, 17], [23, 9, 8, 1, 16])
+
+
+@pytest.mark.parametrize("block_size,block_m,block_n", PREFILL_TILINGS)
+@pytest.mark.parametrize("switches", SWITCHES, ids=lambda s: "-".join(k for k, v in s.items() if v) or "plain")
+def test_paged_prefill_tiles_and_switches(block_size, block_m, block_n, switches):
+    heads, kv_heads, head_dim = (16, 8, 128) if CUDA else (4, 2, 16)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, **switches)
+    check_prefill(heads, kv_heads, head_dim, block_size, *PREFILL_BATCH, config=config)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1), (6, 2)],
+                         ids=["group1", "group2", "group4", "group8", "group3"])
+@pytest.mark.parametrize("window", [None, 6 if not CUDA else 100])
+def test_paged_prefill_gqa_groups(heads, kv_heads, window):
+    """Each group size packs its query heads into the tile's rows (group 3 pads to 4)."""
+    if CUDA:
+        heads, kv_heads = 4 * heads, 4 * kv_heads
+    check_prefill(heads, kv_heads, 128 if CUDA else 16, 16 if CUDA else 4, *PREFILL_BATCH, window=window, seed=1)
+
+
+@pytest.mark.parametrize("switches", [SWITCHES[0], SWITCHES[-1], dict(PREFETCH=True, K_T=False, PER_BLOCK=True)],
+                         ids=["plain", "all", "default"])
+@pytest.mark.parametrize("window", [3, 9] if not CUDA else [64, 300])
+def test_paged_prefill_sliding_window_and_cached_prefix(switches, window):
+    """A window that starts mid-tile, over a cached prefix longer than the window, so the
+    walk starts past key 0 and tiles before the window are skipped."""
+    lens, q_lens = ([50, 37, 12], [20, 37, 3]) if not CUDA else ([3000, 900], [512, 900])
+    block_size, block_m, block_n = (4, 4, 8) if not CUDA else (16, 32, 64)
+    heads, kv_heads, head_dim = (4, 2, 16) if not CUDA else (16, 8, 128)
+    check_prefill(heads, kv_heads, head_dim, block_size, lens, q_lens, window=window,
+                  config=dict(BLOCK_M=block_m, BLOCK_N=block_n, **switches), seed=2)
+
+
+def test_paged_prefill_rejects_bad_config_and_out():
+    from minivllm.kernels.paged_attention import paged_prefill_attention
+
+    k_cache = torch.randn(2, 16, 2, 16, device=DEVICE, dtype=DTYPE)
+    tables = torch.tensor([[0], [1]], device=DEVICE, dtype=torch.int32)
+    lens = torch.tensor([5, 3], device=DEVICE, dtype=torch.int32)
+    cu = torch.tensor([0, 5, 8], device=DEVICE, dtype=torch.int32)
+    q = torch.randn(8, 4, 16, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="config keys"):
+        paged_prefill_attention(q, k_cache, k_cache, tables, lens, cu, 5, 0.25, config={"BLOCK_K": 16})
+    with pytest.raises(ValueError, match="out must"):
+        paged_prefill_attention(q, k_cache, k_cache, tables, lens, cu, 5, 0.25, out=q[:4])
+    with pytest.raises(ValueError, match="scale"):
+        paged_prefill_attention(q, k_cache, k_cache, tables, lens, cu, 5, -0.25)
 
 
 def test_store_kvcache():

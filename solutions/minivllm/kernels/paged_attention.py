@@ -25,10 +25,12 @@ Prefill is compute-bound for long prompts:
 One program handles BLOCK_M query positions of one sequence for all the query heads of one
 KV group (a [BLOCK_M * group, head_dim] tile, so each K/V tile it loads serves the whole
 group) and walks the keys up to its causal limit: first the tiles every query sees, without
-a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys.
+a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys. The
+last query tiles (the most keys) are launched first, and the block table is read once per
+cache block of a key tile, a tile ahead of the loads that need it.
 
 Both kernels fold each tile of scores into the running softmax with one helper,
-``_online_softmax_update``.
+``_online_softmax_update``, in base 2 (exp2 of the scores times scale * log2(e)).
 """
 import torch
 import triton
@@ -38,19 +40,28 @@ from minivllm.kernels.common import dot_precision
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
+# exp(x) = 2^(x * log2(e)): the kernels fold log2(e) into the softmax scale and call exp2,
+# the GPU's native exponential (one instruction, where exp is a multiply and then exp2).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def _online_softmax_update(m, l, acc, s, v, PRECISION: tl.constexpr):
-    """Fold one tile into the running softmax of each row (a query): scores s [rows, keys]
-    (-inf where a key is not visible), values v [keys, head_dim]; m [rows] is the running
-    max, l [rows] the running sum, acc [rows, head_dim] the running weighted values.
-    Returns the new (m, l, acc)."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+def _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION: tl.constexpr):
+    """Fold one tile into the running softmax of each row (a query): raw scores s = q . k
+    [rows, keys] (-inf where a key is not visible), values v [keys, head_dim]; qk_scale is
+    the softmax scale times log2(e), so that 2^(s * qk_scale) = e^(s * scale). m [rows] is
+    the running max of s * qk_scale (base-2 units), l [rows] the running sum, acc [rows,
+    head_dim] the running weighted values. Returns the new (m, l, acc)."""
+    # The max of s, then one multiply per row (qk_scale > 0 keeps the order).
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
     # Rows with nothing visible yet keep m = -inf; shift by 0 instead to avoid inf - inf.
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])  # one fused multiply-add per score
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # The rescaled accumulator goes into the dot as its accumulator: the tensor cores add it.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l, acc
 
 
@@ -98,14 +109,15 @@ def _decode_kernel(
         block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
         row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+    # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
+    lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
     mask = g < GROUP
     base = b * stride_pt + heads * stride_ph + split * stride_ps
     tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=mask[:, None])
@@ -180,6 +192,9 @@ def paged_decode_attention(
     if num_seqs and max_context_len < 1:
         # Checked on the host: the grid is sized from it, and keys past the last split are never read.
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
+    if not scale > 0:
+        # The online softmax takes each row's max of the raw scores before scaling them.
+        raise ValueError(f"scale must be > 0, got {scale}")
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
@@ -208,6 +223,31 @@ def paged_decode_attention(
     return out
 
 
+@triton.jit
+def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PER_BLOCK: tl.constexpr):
+    """Element offsets [BLOCK_N] (int64) of the cache rows of keys n0 .. n0 + BLOCK_N - 1 of one
+    K/V head (head_off), through one sequence's block table (bt_ptr). n0 is a multiple of
+    BLOCK_N. Block indices past the sequence's last block are clamped to it (the rows stay in
+    the pool; the caller masks keys it must not see)."""
+    if PER_BLOCK and BLOCK_SIZE % BLOCK_N == 0:
+        # The whole tile lies in one cache block: one block id, then BLOCK_N consecutive rows.
+        block = tl.load(bt_ptr + tl.minimum(n0 // BLOCK_SIZE, last_block)).to(tl.int64)
+        rows = (n0 % BLOCK_SIZE) + tl.arange(0, BLOCK_N)
+        return block * stride_cb + rows * stride_cs + head_off
+    elif PER_BLOCK and BLOCK_N % BLOCK_SIZE == 0 and ((BLOCK_N // BLOCK_SIZE) & (BLOCK_N // BLOCK_SIZE - 1)) == 0:
+        # The tile spans whole cache blocks: one id per block, BLOCK_SIZE consecutive rows each.
+        j = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        blocks = tl.load(bt_ptr + tl.minimum(j, last_block)).to(tl.int64)
+        offs = blocks[:, None] * stride_cb + tl.arange(0, BLOCK_SIZE)[None, :] * stride_cs
+        return tl.reshape(offs, [BLOCK_N]) + head_off
+    else:
+        # Any block size: each key's block id.
+        n = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(bt_ptr + tl.minimum(n // BLOCK_SIZE, last_block)).to(tl.int64)
+        return block * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -223,8 +263,11 @@ def _prefill_kernel(
     stride_bt, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr, K_T: tl.constexpr, PER_BLOCK: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # The last query tiles of a causal prompt have the most keys: launch them first, so that
+    # the light ones fill the GPU's tail instead of a heavy one running alone at the end.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + b)
@@ -245,7 +288,11 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
     q_pos = offset + m_idx
+    qk_scale = scale * LOG2E
 
+    bt_ptr = block_tables_ptr + b * stride_bt
+    last_block = (kv_len - 1) // BLOCK_SIZE
+    head_off = kv_head * stride_ch
     m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, HEAD_DIM], tl.float32)
@@ -257,27 +304,44 @@ def _prefill_kernel(
     # the tiles wholly at or before the first query are visible to every row: no mask there.
     lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     mid = tl.where(window > 0, lo, (first_q + 1) // BLOCK_N * BLOCK_N)
+    if PREFETCH:
+        # The block-table lookup runs one tile ahead of the K/V loads that need it, so a load
+        # never waits on the lookup of its own addresses.
+        rows = _kv_tile_rows(bt_ptr, lo, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
     for n0 in range(lo, mid, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE)
-        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :])
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        if not PREFETCH:
+            rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
+        if K_T:
+            s = tl.dot(q, tl.load(k_cache_ptr + rows[None, :] + d[:, None]), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :])), input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+        if PREFETCH:
+            rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
+                                 BLOCK_N, PER_BLOCK)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
     for n0 in range(mid, hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
-        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if not PREFETCH:
+            rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
+        if K_T:
+            k = tl.load(k_cache_ptr + rows[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+            s = tl.dot(q, k, input_precision=PRECISION)
+        else:
+            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
         if window > 0:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, PRECISION)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if PREFETCH:
+            rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
+                                 BLOCK_N, PER_BLOCK)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -285,17 +349,27 @@ def _prefill_kernel(
 
 def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
     """Tile shape of the prefill kernel: BLOCK_M query positions (times the KV group's heads
-    per tile), BLOCK_N keys per step, and the launch's warps and pipeline stages. On the GPU
-    from scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
-    interpreter (CPU tests) small tiles, so that short test sequences span several."""
+    per tile), BLOCK_N keys per step, the launch's warps and pipeline stages, and three
+    switches of the kernel (``PREFETCH``: block-table lookups one tile ahead; ``K_T``: keys
+    loaded as [head_dim, keys]; ``PER_BLOCK``: one block id per cache block of a tile, not
+    per key). On the GPU from scripts/tune_attention.py on an H200
+    (benchmarks/attention_tuning.json); in the interpreter (CPU tests) small tiles, so that
+    short test sequences span several."""
     block_g = triton.next_power_of_2(group)
+    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": True}
     if not on_gpu:
-        return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps, 2
-    # stages: the sweep's best on the three workloads of head_dim 128 (tiles of 128 rows and
-    # 8 warps were 10-25% slower). Wider heads halve the key tile.
+        return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
+    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps: the
+    # sweep's best shape on the three workloads of head_dim 128 before the switches existed
+    # (tiles of 128 rows and 8 warps were 10-25% slower). 3 stages with PREFETCH, from the
+    # compiled code for sm_90 rather than a measurement: Triton's pipeliner spends a stage on
+    # each level of load-to-address indirection, so a lookup inside the tile's own chain left
+    # K and V one tile ahead (a wait for every copy at the top of each step) whatever the
+    # stages; with the lookup a tile ahead, 3 stages keep the next tile's K and V in flight
+    # while this one is computed (3 buffers, 112 KiB of shared memory: 2 programs per SM).
+    # Wider heads halve the key tile.
     return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
-            "num_warps": 4, "num_stages": 2}
+            "num_warps": 4, "num_stages": 3, **switches}
 
 
 def paged_prefill_attention(
@@ -309,11 +383,13 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
     values, cached prefix included, are already in the cache. Causal, and with
     ``sliding_window`` the query at position p sees keys j with p - sliding_window < j <= p.
-    ``config``: the tile shape (``prefill_config``'s keys), for tuning. Returns q's shape."""
+    ``config``: the tile shape (``prefill_config``'s keys; those left out keep their
+    defaults), for tuning. Writes into ``out`` (q's shape and dtype) when given; returns it."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
@@ -321,10 +397,19 @@ def paged_prefill_attention(
     if num_tokens and max_seqlen_q < 1:
         # The grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence: with 0, nothing would run.
         raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
-    out = torch.empty_like(q)
+    if not scale > 0:
+        # The online softmax takes each row's max of the raw scores before scaling them.
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     num_seqs = cu_seqlens_q.shape[0] - 1
     group = num_heads // num_kv_heads
-    config = config or prefill_config(head_dim, group, q.is_cuda)
+    defaults = prefill_config(head_dim, group, q.is_cuda)
+    if config is not None and not set(config) <= set(defaults):
+        raise ValueError(f"config keys must be among {sorted(defaults)}, got {sorted(config)}")
+    config = {**defaults, **(config or {})}
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale,
