@@ -14,7 +14,8 @@ Decode (one query per sequence) is memory-bound: it must read every cached key a
   FLOPs ~ 4 * context_tokens * num_heads * head_dim
 One program handles one (sequence, kv head, split of the context); all query heads of a
 GQA group share each loaded K/V tile. Long contexts with few sequences are split so the
-GPU has enough programs; a second small kernel merges the splits' partial softmaxes.
+GPU has enough programs (each sequence cuts its own context into the splits, so a short one
+is spread too); a second small kernel merges the splits' partial softmaxes.
 
 Prefill is compute-bound for long prompts:
   bytes ~ 2 * q_len * num_heads * head_dim * dtype_size (q in, out once)
@@ -65,7 +66,7 @@ def _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt", "PARTITION"])
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -79,7 +80,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    PARTITION, window,
+    window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -88,12 +89,16 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, context_len)
-    # A sliding window (window > 0) hides every key before context_len - window: skip the
-    # whole tiles before it (start stays a multiple of BLOCK_N) and mask the rest.
+    # A sliding window (window > 0) hides every key before context_len - window: the splits
+    # share the visible keys only, from the tile that holds the first (masked below).
     first = tl.maximum(tl.where(window > 0, context_len - window, 0), 0)
-    start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+    lo = first // BLOCK_N * BLOCK_N
+    # Each sequence cuts its own keys into the grid's splits, in whole tiles: a short
+    # context in a grid sized for max_context_len (a CUDA graph's) is spread over several
+    # programs of one tile each, not walked by the first split alone.
+    partition = tl.cdiv(tl.cdiv(context_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = lo + split * partition
+    end = tl.minimum(start + partition, context_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
@@ -190,7 +195,7 @@ def paged_decode_attention(
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
         raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
     if num_seqs and max_context_len < 1:
-        # Checked on the host: the grid is sized from it, and keys past the last split are never read.
+        # Checked on the host: the number of splits is sized from it.
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
     if not scale > 0:
         # The online softmax takes each row's max of the raw scores before scaling them.
@@ -199,8 +204,6 @@ def paged_decode_attention(
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
     config = config or decode_config(head_dim)
-    block_n = config["BLOCK_N"]
-    partition = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -209,7 +212,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        partition, sliding_window or 0,
+        sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **pdl_options(q), **config,
     )
