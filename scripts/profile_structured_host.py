@@ -18,10 +18,11 @@ The grammar's cost depends on the vocabulary it is compiled against: give the re
 (``--tokenizer``: a folder with Qwen3's tokenizer.json, 151,669 tokens in 151,936 logits). Without
 it the bundled model's 8,192-token tokenizer is used, and the report says so.
 
-    python scripts/profile_structured_host.py --tokenizer DIR [--rows 256] [--steps 32] [--profile]
+    python scripts/profile_structured_host.py --tokenizer DIR [--rows 256] [--steps 32] [--threads N] [--profile]
 
 Thread counts are the batch matcher's (``matcher.fill_threads()``: half the cores this process
-may use, at most 8): on a 2-core machine one thread, on a 16-core GPU host eight.
+may use, at most 8; ``--threads`` to try others): on a 2-core machine one thread, on a 16-core
+GPU host eight.
 """
 import argparse
 import cProfile
@@ -166,11 +167,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--any-whitespace", action="store_true", help="disable_any_whitespace=False")
+    parser.add_argument("--threads", type=int, help="the batch matcher's threads (default: matcher.fill_threads())")
     parser.add_argument("--profile", action="store_true", help="cProfile the steps and print the top functions")
     parser.add_argument("--out", help="write the report (JSON) here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = args.threads or matcher.fill_threads()
+    if args.threads:  # this thread's batch matcher, made here with the count asked for
+        import xgrammar as xgr
+
+        matcher._per_thread.matcher = xgr.BatchGrammarMatcher(max_threads=args.threads)
     tokenizer = load_tokenizer(args.tokenizer)
     start = time.perf_counter()
     stop = [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)]
@@ -183,7 +190,7 @@ def main() -> None:
         step(engine, rows, k)
     report = {"tokenizer": args.tokenizer or "bundled (8,192 tokens: not Qwen3's vocabulary)",
               "tokenizer_tokens": len(tokenizer), "vocab_size": args.vocab_size, "rows": args.rows,
-              "steps": args.steps, "fill_threads": matcher.fill_threads(), "device": str(device),
+              "steps": args.steps, "fill_threads": threads, "device": str(device),
               "token_filter": rows.requests[0].grammar.token_filter is not None,
               "tokenizer_info_s": tokenizer_info_s, "compile_s": compiler.compile_seconds[-1]}
     masks, accepts, parts = [], [], []
