@@ -2,12 +2,14 @@
 """What constrained decoding costs (chapter 18): the throughput workload with a JSON schema on
 every request against the same workload with none, and the grammar's compile time.
 
-The model has Qwen3-0.6B's shapes and random weights (minivllm.bench.throughput) and the
-bundled model's tokenizer: the grammar needs a vocabulary to speak of, and no Qwen tokenizer
-travels with the course. The logits are Qwen3's 151,936 wide, so the bitmask's upload and the
-kernel cost what they would with Qwen's tokenizer; the matcher's mask filling works over
-8,192 real tokens instead of 151,643, so it is cheaper here than with Qwen's vocabulary (the
-compile time more so).
+The model has Qwen3-0.6B's shapes and random weights (minivllm.bench.throughput) and, unless
+``--tokenizer`` names a folder with Qwen3's tokenizer (tokenizer.json and tokenizer_config.json,
+151,669 tokens), the bundled model's: the grammar needs a vocabulary to speak of, and no Qwen
+tokenizer travels with the course. The logits are Qwen3's 151,936 wide, so the bitmask's
+upload and the kernel cost what they would with Qwen's tokenizer; with the bundled one the
+matchers' mask filling works over 8,192 real tokens instead of 151,669, so it is cheaper than
+with Qwen's vocabulary (about 15 us a row inside a string on a CPU core,
+scripts/profile_structured_host.py; the compile time more so).
 
 Both runs: 256 requests, prompts of 100..1024 random tokens, temperature 0.6, max_tokens
 100..1024. A random model rarely draws EOS, so the plain run makes max_tokens tokens; the
@@ -15,6 +17,7 @@ constrained one may finish its JSON early, so the comparison is per output token
 decode step (the median of the steps that decode the full batch of 256).
 
     python scripts/bench_structured.py [--num-requests 256] [--out benchmarks/structured.json] [--sync]
+                                       [--tokenizer DIR]
 """
 import argparse
 import json
@@ -35,14 +38,16 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "year", "tags", "summary"]}
 
 
-def checkpoint_with_tokenizer() -> Path:
+def checkpoint_with_tokenizer(tokenizer: str | None = None) -> Path:
+    """The random Qwen3-0.6B checkpoint with a tokenizer's files beside it (the bundled
+    model's, or those in the folder ``tokenizer``)."""
     model = model_checkpoint()
-    folder = model.parent / "qwen3-0.6b-random-bundled-tokenizer"
+    source = Path(tokenizer) if tokenizer else Path(__file__).resolve().parents[1] / "minivllm" / "assets" / "bundled"
+    folder = model.parent / ("qwen3-0.6b-random-given-tokenizer" if tokenizer else "qwen3-0.6b-random-bundled-tokenizer")
     if not (folder / "config.json").exists():
         shutil.copytree(model, folder)
-        bundled = Path(__file__).resolve().parents[1] / "minivllm" / "assets" / "bundled"
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(bundled / name, folder / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (again each run: the folder given may differ)
+        shutil.copy(source / name, folder / name)
     return folder
 
 
@@ -70,15 +75,17 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/structured.json")
     parser.add_argument("--sync", action="store_true", help="also measure with async_scheduling=False")
+    parser.add_argument("--tokenizer", help="a folder with Qwen3's tokenizer files (default: the bundled tokenizer)")
     args = parser.parse_args()
     from minivllm import LLM, SamplingParams
     from minivllm.structured import StructuredOutputsParams
 
-    path = checkpoint_with_tokenizer()
+    path = checkpoint_with_tokenizer(args.tokenizer)
     prompts, lens = make_workload(args.num_requests, max_token_id=8191)
     warm, _ = make_workload(16, seed=12345, max_token_id=8191)
     so = StructuredOutputsParams(json=SCHEMA)
-    report = {"device": torch.cuda.get_device_name(), "schema": SCHEMA}
+    report = {"device": torch.cuda.get_device_name(), "schema": SCHEMA,
+              "tokenizer": args.tokenizer or "bundled (8,192 tokens)"}
     for async_scheduling in (True, False) if args.sync else (True,):
         llm = LLM(str(path), dtype="bfloat16", record_trace=True, max_num_seqs=256, max_num_batched_tokens=16384,
                   async_scheduling=async_scheduling)

@@ -376,7 +376,7 @@ def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_charac
     spellings = compiler.tokenizer_info.decoded_vocab
     for compact, whitespace in ((True, set()), (False, {9, 10, 13})):
         allowed = unpack_bitmask(compiler.token_filter(StructuredOutputsParams(
-            json_object=True, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
+            json=BOUNDED, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
         expected = torch.tensor([not any(b < 0x20 and b not in whitespace for b in spellings[t]) if t < len(spellings)
                                  else True for t in range(vocab)])
         assert torch.equal(allowed, expected) and not expected.all()
@@ -388,10 +388,10 @@ def test_the_batch_bitmask_is_each_rows_own(llm):
     own state writes (its grammar, then its filter), and a row without a grammar all ones."""
     compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
     vocab = llm.engine.runner.model_config.vocab_size
-    specs = [StructuredOutputsParams(json=BOUNDED), StructuredOutputsParams(json_object=True, disable_any_whitespace=False),
+    specs = [StructuredOutputsParams(json=BOUNDED), StructuredOutputsParams(json=BOUNDED, disable_any_whitespace=False),
              StructuredOutputsParams(regex="[a-z ]{1,9}")]
     states = []
-    for spec, prefix in zip(specs, ['{"word": "ab', '{"x": "', "ab"]):
+    for spec, prefix in zip(specs, ['{"word": "ab', '{"word": "a', "ab"]):
         state = GrammarState(compiler.compile(spec), compiler.token_filter(spec))
         for t in tokenizer.encode(prefix, add_special_tokens=False):
             assert state.accept(t)
@@ -461,3 +461,202 @@ def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
         for o in outs[:-1]:
             assert o.outputs[0].finish_reason == "error" and "not allowed by the grammar" in o.error, o.outputs[0]
         assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 8
+
+
+# -- the engine's bitmask: buffers kept from step to step ------------------------------------
+
+
+def engine_stand_in(vocab_size, device="cpu"):
+    """What LLMEngine._bitmask reads of the engine."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab_size),
+                                                  device=torch.device(device)))
+
+
+def request_stand_in(grammar, finished=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(grammar=grammar, seq=SimpleNamespace(is_finished=finished))
+
+
+def alone(state, vocab):
+    """The row ``state`` gets in a fresh bitmask of its own (all ones without a grammar)."""
+    row = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+    if state is not None:
+        state.fill(row, 0)
+    return row[0]
+
+
+def test_a_reused_bitmask_buffer_never_leaks_an_earlier_mask(llm):
+    """The engine fills its bitmask into buffers it keeps: whatever a buffer held (here
+    garbage written into every buffer after every step), each row of a step is what its own
+    state writes alone, a row without a live grammar all ones, over steps that grow and
+    shrink the batch, on the batch matcher's path and row by row."""
+    from minivllm.engine.llm_engine import LLMEngine
+
+    compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
+    vocab = llm.engine.runner.model_config.vocab_size
+    bounded = StructuredOutputsParams(json=BOUNDED)
+    compiled, token_filter = compiler.compile(bounded), compiler.token_filter(bounded)
+    assert token_filter is not None  # so the filter's AND is in the rows compared
+    text = tokenizer.encode('{"word": "abc", "tags": ["x", "yz"]}', add_special_tokens=False)
+    choice = compiler.compile(StructuredOutputsParams(choice=["ab"]))
+    ended = GrammarState(choice)
+    for t in tokenizer.encode("ab", add_special_tokens=False) + [min(llm.engine.eos_token_ids)]:
+        assert ended.accept(t)
+    assert ended.is_terminated
+    engine = engine_stand_in(vocab)
+    g = torch.Generator().manual_seed(0)
+    for step, rows in enumerate([12, 3, 20, 12, 1, 2, 9, 9]):
+        requests = []
+        for i in range(rows):
+            kind = (i + step) % 5
+            if kind == 0:
+                requests.append(request_stand_in(None))
+            elif kind == 1:
+                requests.append(request_stand_in(ended))
+            else:
+                state = GrammarState(compiled, token_filter)
+                for t in text[: (i * 3 + step) % len(text)]:
+                    assert state.accept(t)
+                requests.append(request_stand_in(state, finished=kind == 4 and i % 2 == 0))
+        bitmask = LLMEngine._bitmask(engine, requests)
+        for row, r in enumerate(requests):
+            live = r.grammar if r.grammar is not None and not r.seq.is_finished else None
+            if bitmask is None:  # (no live grammar in the step: no mask)
+                assert (alone(live, vocab) == -1).all()
+            else:
+                assert torch.equal(bitmask[row], alone(live, vocab)), (step, row)
+        for buffer in engine._bitmask_buffers.buffers:  # stale contents for the next step to overwrite
+            if buffer is not None:
+                buffer.copy_(torch.randint(-2**31, 2**31, buffer.shape, generator=g, dtype=torch.int64).to(torch.int32))
+    # Three steps in a row never share a buffer (one may still be uploading while the next is filled).
+    takes = [engine._bitmask_buffers.take(4).data_ptr() for _ in range(4)]
+    assert len(set(takes[:3])) == 3 and takes[3] == takes[0]
+
+
+def test_a_step_whose_grammars_have_all_ended_needs_no_mask(llm):
+    """No mask at all (the sampler's fast path) when no row's grammar has anything to say:
+    rows without one, rows whose request has finished, rows whose grammar took its stop token."""
+    from minivllm.engine.llm_engine import LLMEngine
+
+    tokenizer = llm.get_tokenizer()
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(choice=["ab"]))
+    ended, live = GrammarState(compiled), GrammarState(compiled)
+    for t in tokenizer.encode("ab", add_special_tokens=False) + [min(llm.engine.eos_token_ids)]:
+        assert ended.accept(t)
+    engine = engine_stand_in(llm.engine.runner.model_config.vocab_size)
+    dead = [request_stand_in(None), request_stand_in(ended), request_stand_in(live, finished=True)]
+    assert LLMEngine._bitmask(engine, dead) is None
+    assert LLMEngine._bitmask(engine, dead + [request_stand_in(live)]) is not None
+
+
+def test_a_grammar_knows_it_has_ended_without_asking_each_step(llm):
+    """GrammarState keeps is_terminated itself (asking xgrammar only when a stop token is
+    taken): it must agree with the matcher after every token, one by one and in a batch,
+    refused tokens and a stop token the grammar does not yet allow included."""
+    from minivllm.structured import matcher
+
+    tokenizer, eos = llm.get_tokenizer(), min(llm.engine.eos_token_ids)
+    compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(choice=["ab", "abc"]))
+    walk = [eos] + tokenizer.encode("ab", add_special_tokens=False) + [999, eos, eos]
+    single = [GrammarState(compiled) for _ in range(matcher.BATCH_FILL_ROWS)]
+    batched = [GrammarState(compiled) for _ in range(matcher.BATCH_FILL_ROWS)]
+    for token in walk:
+        for state in single:
+            state.accept(token)
+        matcher.accept_tokens(batched, [token] * len(batched))
+        for state in single + batched:
+            assert state.is_terminated == state.matcher.is_terminated()
+    assert all(state.is_terminated for state in single + batched)
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "string"}},
+                                      "c": {"enum": ["x\ny", "z"]}}, "required": ["a", "b", "c"]},
+    {"type": "object", "additionalProperties": {"type": "string"}},
+    "json_object",
+])
+@pytest.mark.parametrize("compact", [True, False])
+def test_json_without_bounded_strings_needs_no_token_filter(llm, spec, compact):
+    """The JSON token filter is left out where xgrammar's grammar already refuses every token
+    that spells a control character (its plain strings, whitespace, enums, property names):
+    random walks through the grammar never find such a token allowed."""
+    compiler = llm.engine.grammar_compiler()
+    vocab = llm.engine.runner.model_config.vocab_size
+    params = (StructuredOutputsParams(json_object=True, disable_any_whitespace=compact) if spec == "json_object"
+              else StructuredOutputsParams(json=spec, disable_any_whitespace=compact))
+    assert compiler.token_filter(params) is None
+    banned = ~unpack_bitmask(compiler.token_filter(StructuredOutputsParams(
+        json=BOUNDED, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
+    compiled = compiler.compile(params)
+    g = torch.Generator().manual_seed(0)
+    steps = 0
+    for _ in range(16):
+        state = GrammarState(compiled)
+        for _ in range(40):
+            if state.is_terminated:
+                break
+            allowed = unpack_bitmask(fill_bitmask([state], vocab), vocab)[0]
+            assert not (allowed & banned).any()
+            choices = allowed.nonzero().flatten()
+            assert state.accept(int(choices[torch.randint(len(choices), (1,), generator=g)]))
+            steps += 1
+    assert steps > 300
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engines_masks_give_what_fresh_masks_give(async_scheduling):
+    """The engine's bitmask (buffers kept, no mask when no grammar is live, the token filter
+    only where it is needed) against the plainest one: a fresh tensor each step, each row
+    filled alone, every JSON row ANDed with the filter. Same tokens, greedy and sampled."""
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.structured.compiler import FILTERED_KEYWORDS
+
+    prompts, params = greedy_structured_workload()
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=p.structured_outputs)
+               for s, p in enumerate(params[:12])]
+    prompts = prompts + prompts[:12]
+
+    def fresh_bitmask(self, requests):
+        vocab = self.runner.model_config.vocab_size
+        out = torch.full((len(requests), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for row, r in enumerate(requests):
+            if r.grammar is not None and not r.seq.is_finished and not r.grammar.matcher.is_terminated():
+                r.grammar.matcher.fill_next_token_bitmask(out, row)
+                so = r.seq.sampling_params.structured_outputs
+                if so.kind in ("json", "json_object"):  # (the filter's rows whatever the schema)
+                    out[row] &= self.grammar_compiler().token_filter(
+                        StructuredOutputsParams(json={"maxLength": 1}, disable_any_whitespace=so.disable_any_whitespace))
+        return out
+
+    assert "maxLength" in FILTERED_KEYWORDS
+    llm = LLM(async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    reference = LLM(async_scheduling=async_scheduling)
+    reference.engine._bitmask = fresh_bitmask.__get__(reference.engine)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == token_ids(expected)
+    check_valid(outs[:18], params[:18])
+
+
+@pytest.mark.gpu
+def test_a_pinned_bitmask_buffer_is_not_rewritten_before_its_upload():
+    """On a GPU the bitmask's upload is queued without waiting: the buffer it reads must not
+    be handed out again before the copy has run, even with the device far behind (a long
+    sleep queued first)."""
+    from minivllm.structured.matcher import BitmaskBuffers
+
+    buffers = BitmaskBuffers(151936, pinned=True)
+    first = buffers.take(256)
+    assert first.is_pinned()
+    first.fill_(7)
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time before the copy
+    on_device = first.to("cuda", non_blocking=True)
+    for _ in range(3):  # the third take is `first` again: it must wait for the copy
+        again = buffers.take(256)
+    assert again.data_ptr() == first.data_ptr()
+    again.fill_(-1)
+    torch.cuda.synchronize()
+    assert (on_device == 7).all()

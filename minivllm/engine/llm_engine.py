@@ -406,11 +406,20 @@ class LLMEngine:
 
     def _bitmask(self, requests: list[RequestState]):
         """The tokens each sampled row's grammar allows next (every token for a row without
-        one, or whose request has ended), on the host."""
-        from minivllm.structured.matcher import fill_bitmask
+        one, or whose request has ended), on the host; None when no row's grammar has
+        anything left to say (the sampler then needs no mask). Written into buffers kept
+        from step to step (pinned on a GPU, so that the upload copies nothing first)."""
+        from minivllm.structured.matcher import BitmaskBuffers, fill_bitmask
 
-        states = [None if r.grammar is None or r.seq.is_finished else r.grammar for r in requests]
-        return fill_bitmask(states, self.runner.model_config.vocab_size)
+        states = [None if r.grammar is None or r.seq.is_finished or r.grammar.is_terminated else r.grammar
+                  for r in requests]
+        if not any(states):
+            return None
+        vocab_size = self.runner.model_config.vocab_size
+        buffers = getattr(self, "_bitmask_buffers", None)  # (made at the first constrained step)
+        if buffers is None:
+            buffers = self._bitmask_buffers = BitmaskBuffers(vocab_size, pinned=self.runner.device.type == "cuda")
+        return fill_bitmask(states, vocab_size, out=buffers.take(len(states)))
 
     def _sample_deferred(self, step: "LaunchedStep") -> None:
         """Sample a step whose forward pass went ahead of its grammars' masks (see _launch)."""

@@ -37,6 +37,8 @@ UNSUPPORTED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains",
                         "unevaluatedItems", "unevaluatedProperties")
 # Keys whose value maps names to schemas (so the names are not keywords).
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords whose strings may need the JSON token filter (see GrammarCompiler.token_filter).
+FILTERED_KEYWORDS = ("minLength", "maxLength", "pattern", "format", "patternProperties")
 MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other (real schemas nest a few; $ref recursion costs none)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 CACHE_BYTES = 512 * 2**20  # and at most this much of them (a grammar holds its token masks)
@@ -70,14 +72,18 @@ class GrammarCompiler:
         self.json_filters: dict[bool, torch.Tensor] = {}  # see token_filter
 
     def token_filter(self, params: StructuredOutputsParams) -> "torch.Tensor | None":
-        """For JSON, the tokens that spell no control character (bytes 0x00-0x1f), as a
-        bitmask row to AND with the grammar's; None for the other kinds. JSON allows none
-        of them raw (inside a string they are escaped; between tokens only whitespace), but
-        xgrammar 0.2's grammar for a string with minLength or maxLength admits them
-        (mlc-ai/xgrammar#800), and a strict parser then refuses the output. With
+        """For a JSON schema that needs it, the tokens that spell no control character (bytes
+        0x00-0x1f), as a bitmask row to AND with the grammar's; None for the other kinds and
+        schemas. JSON allows none of them raw (inside a string they are escaped; between
+        tokens only whitespace), but xgrammar 0.2's grammar for a string with minLength or
+        maxLength admits them (mlc-ai/xgrammar#800), and a strict parser then refuses the
+        output. Its plain string, its whitespace, enum and const values and property names
+        admit none (tests/test_structured_output.py walks them), so a schema without
+        FILTERED_KEYWORDS anywhere (a pattern or a format too, to be safe) goes without: the
+        AND is a pass over the whole batch's bitmask at every step. With
         ``disable_any_whitespace=False`` tab, newline and carriage return stay allowed, as
         whitespace between tokens (a raw tab inside a bounded string is then still possible)."""
-        if params.kind not in ("json", "json_object"):
+        if params.kind != "json" or not uses_keyword(json.loads(params.json), FILTERED_KEYWORDS):
             return None
         compact = params.disable_any_whitespace
         with self.lock:
@@ -247,6 +253,16 @@ def check_schema(schema, path: str = "#", depth: int = 0) -> None:
                 check_schema(sub, f"{where}/{name}", depth)
         elif isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples", "required"):
             check_schema(value, where, depth)
+
+
+def uses_keyword(schema, keywords: tuple[str, ...]) -> bool:
+    """Does any object in ``schema`` have one of ``keywords`` as a key (a property of that
+    name too: erring towards yes)?"""
+    if isinstance(schema, dict):
+        return any(k in keywords for k in schema) or any(uses_keyword(v, keywords) for v in schema.values())
+    if isinstance(schema, list):
+        return any(uses_keyword(v, keywords) for v in schema)
+    return False
 
 
 def unsupported(what: str) -> None:

@@ -30,16 +30,21 @@ class GrammarState:
         # Tokens never to allow whatever the grammar says (GrammarCompiler.token_filter):
         # a bitmask row ANDed with the grammar's.
         self.token_filter = token_filter
+        # A matcher ends only by taking a stop token, so it is asked only then (the batch's
+        # mask reads this for every row at every step: a call into xgrammar each).
+        self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
+        self.is_terminated = False
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (and no change) if the grammar does not allow it."""
         ok = self.matcher.accept_token(token)
-        self.num_accepted += ok
+        self._accepted(token, ok)
         return ok
 
-    @property
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+    def _accepted(self, token: int, ok: bool) -> None:
+        self.num_accepted += ok
+        if ok and token in self.stop_token_ids:
+            self.is_terminated = self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
@@ -94,21 +99,32 @@ def accept_tokens(states: list[GrammarState], tokens: list[int]) -> list[bool]:
     if len(states) < BATCH_FILL_ROWS:
         return [state.accept(token) for state, token in zip(states, tokens)]
     oks = _batch_matcher().batch_accept_token([state.matcher for state in states], tokens)
-    for state, ok in zip(states, oks):
-        state.num_accepted += bool(ok)
-    return [bool(ok) for ok in oks]
+    for state, token, ok in zip(states, tokens, oks):
+        state._accepted(token, ok)
+    return oks
 
 
-def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor:
+def fill_bitmask(states: list[GrammarState | None], vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
-    where a row has no grammar."""
-    bitmask = torch.full((len(states), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    where a row has no grammar or its grammar has ended. Written into ``out`` when given
+    (a buffer kept from step to step, ``BitmaskBuffers``): every row is written, whatever
+    the buffer held before."""
+    words = bitmask_words(vocab_size)
+    if out is None:
+        out = torch.full((len(states), words), -1, dtype=torch.int32)
+    elif out.shape != (len(states), words) or out.dtype != torch.int32:
+        raise ValueError(f"out must be int32 [{len(states)}, {words}], got {out.dtype} {tuple(out.shape)}")
+    else:
+        dead = [row for row, state in enumerate(states) if state is None or state.is_terminated]
+        if dead:
+            out[dead] = -1
     live = [(row, state) for row, state in enumerate(states) if state is not None and not state.is_terminated]
     if len(live) >= BATCH_FILL_ROWS:
-        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, [r for r, _ in live])
+        # (xgrammar writes every word of a row it fills.)
+        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], out, [r for r, _ in live])
     else:
         for row, state in live:
-            state.matcher.fill_next_token_bitmask(bitmask, row)
+            state.matcher.fill_next_token_bitmask(out, row)
     filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the rows of each token filter, ANDed at once
     for row, state in live:
         if state.token_filter is not None:
@@ -120,9 +136,46 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
         start = 0
         for i in range(1, len(rows) + 1):
             if i == len(rows) or rows[i] != rows[i - 1] + 1:
-                bitmask[rows[start] : rows[i - 1] + 1] &= token_filter
+                out[rows[start] : rows[i - 1] + 1] &= token_filter
                 start = i
-    return bitmask
+    return out
+
+
+class BitmaskBuffers:
+    """Host memory for the batch's bitmask, kept from step to step: at batch 256 and
+    Qwen3's vocabulary a fresh 4.9 MB tensor a step costs its page faults, and on a GPU the
+    sampler's ``pin_memory()`` would copy it into pinned memory before its upload (a tensor
+    already pinned it takes as it is).
+
+    Each ``take`` hands out the next of ``count`` buffers in turn. On a GPU a buffer's upload
+    is queued without waiting (non-blocking), so a buffer is not written again before its
+    copy has run: each take records an event behind the work queued since the one before
+    (which includes that one's upload), and a buffer's next take waits for it. With three
+    buffers that event is behind at most the step in flight's forward pass before the last,
+    long done by then: the wait costs nothing in a steady run."""
+
+    def __init__(self, vocab_size: int, pinned: bool, count: int = 3):
+        self.words = bitmask_words(vocab_size)
+        self.pinned = pinned
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.uploaded: list = [None] * count  # the event after each buffer's upload (GPU only)
+        self.turn = -1
+
+    def take(self, rows: int) -> torch.Tensor:
+        """A [rows, words] int32 tensor whose earlier contents no copy will read any more."""
+        if self.pinned and self.turn >= 0:
+            event = torch.cuda.Event()
+            event.record()
+            self.uploaded[self.turn] = event
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if self.uploaded[self.turn] is not None:
+            self.uploaded[self.turn].synchronize()
+            self.uploaded[self.turn] = None
+        buffer = self.buffers[self.turn]
+        if buffer is None or buffer.shape[0] < rows:
+            size = -(-rows // 64) * 64  # (grown in steps of 64 rows)
+            buffer = self.buffers[self.turn] = torch.empty((size, self.words), dtype=torch.int32, pin_memory=self.pinned)
+        return buffer[:rows]
 
 
 def allowed_count(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
