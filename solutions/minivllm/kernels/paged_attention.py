@@ -359,20 +359,22 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
     (benchmarks/attention_tuning.json); in the interpreter (CPU tests) small tiles, so that
     short test sequences span several."""
     block_g = triton.next_power_of_2(group)
-    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": True}
+    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False}
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
-    # 64 query rows per tile (positions x the group's heads), 64 keys per step, 4 warps: the
-    # sweep's best shape on the three workloads of head_dim 128 before the switches existed
-    # (tiles of 128 rows and 8 warps were 10-25% slower). 3 stages with PREFETCH, from the
-    # compiled code for sm_90 rather than a measurement: Triton's pipeliner spends a stage on
-    # each level of load-to-address indirection, so a lookup inside the tile's own chain left
-    # K and V one tile ahead (a wait for every copy at the top of each step) whatever the
-    # stages; with the lookup a tile ahead, 3 stages keep the next tile's K and V in flight
-    # while this one is computed (3 buffers, 112 KiB of shared memory: 2 programs per SM).
-    # Wider heads halve the key tile.
-    return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32,
-            "num_warps": 4, "num_stages": 3, **switches}
+    if head_dim <= 128:
+        # The sweep's choice on the H200 at 246aed1 (benchmarks/attention_tuning.json): 128
+        # query rows per tile (positions x the group's heads), 128 keys per step, 8 warps, 3
+        # stages with the block-table lookup a tile ahead. Against the kernel before exp2 and
+        # the switches: 20.6% of the matmul rate on 8 x 1,000 causal tokens (17.8% before),
+        # 39.0% on 8 x 512 after 3,000 cached (27.4%), 19.2% on 64 x 600 (19.7%). PER_BLOCK
+        # and K_T were slower on every shape.
+        return {"BLOCK_M": max(16, 128 // block_g), "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, **switches}
+    # Wider heads (Gemma's 256) keep the shape they were measured with: 64 rows, 32 keys,
+    # 4 warps, 2 stages (a 128-row tile of 256 channels would not leave shared memory for
+    # three stages of K and V).
+    return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
+            "PREFETCH": False, "K_T": False, "PER_BLOCK": False}
 
 
 def paged_prefill_attention(
