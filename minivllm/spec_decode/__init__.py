@@ -18,8 +18,12 @@ several tokens per sequence, so it is not a decode CUDA graph: on a GPU a step v
 one sequence replays the runner's prefill graph of 16 tokens, one with several sequences
 runs eagerly, and so do the draft model's own passes; requests
 with penalties or bad words are not speculated (each draft row would need its own token
-history); hybrid models, tensor parallelism, n > 1, prompt_logprobs and structured outputs
-are refused.
+history); tensor parallelism, n > 1, prompt_logprobs and structured outputs are refused.
+
+Hybrid models (Gated DeltaNet layers) carry a recurrent state instead of a KV cache, and
+it cannot be cut back as a block table is: the verifying step keeps the state after each
+draft it computes, and the engine puts the one after the last accepted token back in the
+sequence's slot (``minivllm.engine.state_pool``).
 """
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import propose_ngram
