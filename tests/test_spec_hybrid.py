@@ -23,7 +23,7 @@ from minivllm.engine.state_pool import allocate_state_pools, keep_accepted_state
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.ops import gated_delta
 from minivllm.testing import make_tiny_checkpoint
-from shared import same_outputs
+from shared import OracleProposer, same_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,42 +114,6 @@ def test_verifying_step_keeps_the_state_after_each_draft(kernels):
 
 
 # -- the engine ------------------------------------------------------------------------------
-
-class OracleProposer:
-    """Drafts what greedy decoding without speculation produced next (``reference``: prompt
-    -> output tokens), with one draft, at a random place or at none, made wrong: so the
-    target accepts 0, 1, .., k drafts, each length about as often. ``lengths`` counts how
-    many drafts it expects accepted at each proposal. One time in five it proposes nothing,
-    so that plain decode steps come between the verifying ones."""
-
-    block_bytes = 0
-
-    def __init__(self, reference: dict[tuple, list[int]], vocab_size: int, seed: int = 0):
-        self.reference, self.vocab_size = reference, vocab_size
-        self.rng = random.Random(seed)
-        self.lengths = collections.Counter()
-
-    def allocate(self, num_blocks: int) -> None:
-        pass
-
-    def forget(self, seq) -> None:
-        pass
-
-    def propose(self, seqs, ks):
-        drafts = []
-        for seq, k in zip(seqs, ks):
-            if self.rng.random() < 0.2:
-                drafts.append([])
-                continue
-            done = seq.num_output_tokens
-            right = self.reference[tuple(seq.prompt_token_ids)][done : done + k]
-            wrong = self.rng.randint(0, len(right))  # len(right): every draft right
-            if wrong < len(right):
-                right[wrong] = (right[wrong] + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            self.lengths[wrong] += 1
-            drafts.append(right)
-        return drafts
-
 
 def workload(seed: int, n: int = 10):
     rng = random.Random(seed)
@@ -255,6 +219,19 @@ def test_ngram_on_hybrid_models(hybrid_checkpoint, family):
     same_outputs(want, spec.generate(prompts, params, use_tqdm=False))
     stats = spec.engine.stats
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert_all_given_back(spec)
+
+
+def test_draft_model_for_a_hybrid_target(hybrid_checkpoint, tiny_qwen3):
+    """A draft model with attention layers only (here an unrelated one of the same
+    vocabulary: it is mostly wrong) drafts for a hybrid target: the same greedy output."""
+    prompts, params = workload(seed=3, n=4)
+    checkpoint = hybrid_checkpoint("qwen3_5")
+    want = LLM(str(checkpoint), num_kv_blocks=128).generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(checkpoint), num_kv_blocks=128, speculative_config={"model": str(tiny_qwen3),
+                                                                       "num_speculative_tokens": 2})
+    same_outputs(want, spec.generate(prompts, params, use_tqdm=False))
+    assert spec.engine.stats["spec_draft_tokens"] > 0
     assert_all_given_back(spec)
 
 

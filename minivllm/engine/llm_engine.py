@@ -90,7 +90,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 model_config.vocab_size)
         if self.proposer is not None:
-            self.proposer.allocate(self.runner.num_kv_blocks)
+            self.proposer.allocate(self.runner.num_kv_blocks, self.runner)
         self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
                                     self.speculative is not None)
@@ -377,9 +377,9 @@ class LLMEngine:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
-        if seqs:
-            for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
-                seq.draft_token_ids = drafts
+        # (Also with no sequence to draft for: an MTP head takes in every step the target ran.)
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+            seq.draft_token_ids = drafts
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
         """Which positions of the batch score a prompt token this step (the requests with

@@ -167,6 +167,11 @@ class ModelRunner:
             logger.warning("max_model_len is %d, not %d: the KV pool holds only %d blocks of %d tokens (raise "
                            "gpu_memory_utilization, cpu_kv_cache_space or num_kv_blocks for more)",
                            self.max_model_len, limit, self.num_kv_blocks, self.block_size)
+        # Speculative decoding with an MTP head (chapter 19): it reads the hidden states of
+        # every position the last step computed, and which sequences' positions they are.
+        self.keep_hidden_states = False
+        self.last_step: tuple[list, list[int], list[int]] | None = None  # (seqs, first positions, counts)
+        self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -301,6 +306,9 @@ class ModelRunner:
         tokens and the row of each sequence in them, and the input is filled from there."""
         input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
         pending_dst, pending_src = [], []
+        if self.keep_hidden_states:
+            self.last_step = (list(batch.seqs), [seq.num_computed_tokens for seq in batch.seqs],
+                              list(batch.num_new_tokens))
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
@@ -441,6 +449,8 @@ class ModelRunner:
                 hidden = self._replay_prefill(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
+            if self.keep_hidden_states:
+                self.last_hidden = hidden
             prompt_scores = self._score_prompt_rows(hidden, ctx) if ctx.prompt_logits_indices is not None else None
             if ctx.logits_indices is not None and len(ctx.logits_indices) == 0:
                 return None, prompt_scores  # no sequence samples this step (all mid-prefill)
@@ -474,6 +484,7 @@ class ModelRunner:
         self.graphs.clear()
         self.prefill_graphs.clear()
         self.static = self.prefill_static = self.kv_cache = self.model = self.layers = self.state_layers = None
+        self.last_step = self.last_hidden = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
