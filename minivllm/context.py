@@ -41,6 +41,11 @@ class Context:
     # whether it continues from that slot's state (1) or starts from zeros (0, first chunk).
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # Speculative decoding on a hybrid model: how many drafts each sequence verifies, shape
+    # [num_seqs] (None: nobody verifies). A linear-attention layer keeps its state after each
+    # of a verifying sequence's first that-many tokens (``GatedDeltaNet.spec_*_states``), so
+    # that the engine can take the one after the last accepted token.
+    spec_state_counts: torch.Tensor | None = None
 
 
 _CONTEXT = Context()

@@ -10,7 +10,9 @@ half-loaded model writes fluent nonsense.
 The text part of a vision-language checkpoint (``config.vision_language``, Qwen3.5's) is
 loaded the same way after ``text_tensor_name`` strips ``model.language_model.`` down to
 ``model.``; the vision tower (``model.visual.*``) and the multi-token-prediction head
-(``mtp.*``) are skipped on purpose, being no part of the text model.
+(``mtp.*``, in text checkpoints too) are skipped on purpose, being no part of the text
+model. The MTP head is loaded on its own, into its own module, with ``prefix="mtp."``
+(speculative decoding, ``minivllm.spec_decode.mtp``).
 """
 import re
 from pathlib import Path
@@ -26,11 +28,15 @@ from minivllm.safetensors_index import safetensors_files
 
 # Tensors some checkpoints carry that are recomputed from the config instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The multi-token-prediction head's tensors: not the model's, loaded only when asked for.
+MTP_PREFIX = "mtp."
 # One expert's projection in the hub's layout: "<prefix>.experts.<e>.<projection>.weight".
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
+def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) -> None:
+    """Load the checkpoint at ``path`` into ``model``; with ``prefix`` (e.g. ``"mtp."``),
+    only the tensors whose names start with it, named without it, and the rest skipped."""
     files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -48,9 +54,14 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for ckpt_name in f.keys():
-                text_name = text_tensor_name(ckpt_name) if vision_language else ckpt_name
-                if text_name is None:
-                    continue  # the vision tower or the multi-token-prediction head
+                if prefix is not None:
+                    if not ckpt_name.startswith(prefix):
+                        continue
+                    text_name = ckpt_name[len(prefix):]
+                else:
+                    text_name = text_tensor_name(ckpt_name) if vision_language else ckpt_name
+                    if text_name is None or text_name.startswith(MTP_PREFIX):
+                        continue  # the vision tower or the multi-token-prediction head
                 if text_name.endswith(IGNORED_SUFFIXES) or (tied and text_name == "lm_head.weight"):
                     continue
                 name, shard_id = _param_name_and_shard(text_name, packed, experts)
@@ -65,7 +76,8 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                 loaded.add((name, shard_id))
 
     whole = {n for n, s in loaded if s is None}  # a whole tensor covers all of its shards
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded if n not in whole)
+    missing = sorted(f"{prefix or ''}{n}[{s}]" if s is not None else f"{prefix or ''}{n}"
+                     for n, s in expected - loaded if n not in whole)
     if missing:
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
 

@@ -96,10 +96,14 @@ TOKENIZER_TEXT = (
 )
 
 
+# Families whose checkpoints carry a multi-token-prediction head (``mtp.*``) on the hub.
+MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
 def make_tiny_checkpoint(
     path: str | Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
     tie_word_embeddings: bool = True, max_shard_size: str | int | None = None, init_std: float = 0.08,
-    with_tokenizer: bool = False, vision_language: bool = False, **overrides,
+    with_tokenizer: bool = False, vision_language: bool = False, mtp: bool = False, **overrides,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``path`` and return the path.
 
@@ -109,12 +113,16 @@ def make_tiny_checkpoint(
     writes a tokenizer whose end-of-text token (id 0) is the model's ``eos_token_id``.
     ``vision_language`` writes the family's vision-language model instead (the text model
     under ``model.language_model.``, a tiny vision tower beside it, the text settings nested
-    in ``text_config``), as the hub publishes Qwen3.5.
+    in ``text_config``), as the hub publishes Qwen3.5. ``mtp`` (the Qwen3.5 and Qwen3-Next
+    families) adds a random multi-token-prediction head, as ``add_mtp_head`` writes it; the
+    rest of the checkpoint is the same as without.
     """
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; available: {sorted(FAMILIES)}")
+    if mtp and family not in MTP_FAMILIES:
+        raise ValueError(f"mtp=True: {family!r} checkpoints have no MTP head; families with one: {list(MTP_FAMILIES)}")
     config_name, model_name = FAMILIES[family]
     fields = {**TINY_SHAPES, "tie_word_embeddings": tie_word_embeddings, "initializer_range": init_std}
     if with_tokenizer:
@@ -122,6 +130,8 @@ def make_tiny_checkpoint(
     fields.update(FAMILY_SHAPES.get(family, {}))
     for name in NOT_IN_CONFIG.get(family, ()):
         del fields[name]
+    if mtp:
+        fields["mtp_num_hidden_layers"] = 1  # as Qwen3.5's published configs say it
     fields.update(overrides)
     config = getattr(transformers, config_name)(**fields)
     if vision_language:
@@ -152,6 +162,52 @@ def make_tiny_checkpoint(
             transformers.utils.logging.enable_progress_bar()
     if with_tokenizer:
         write_tiny_tokenizer(path, vocab_size=config.vocab_size, model_max_length=config.max_position_embeddings)
+    if mtp:
+        add_mtp_head(path, seed=seed + 1, init_std=init_std)
+    return path
+
+
+def add_mtp_head(path: str | Path, seed: int = 0, init_std: float = 0.08) -> Path:
+    """Add a random multi-token-prediction head to the Qwen3.5 / Qwen3-Next checkpoint at
+    ``path``, as published checkpoints carry it: ``mtp.fc.weight`` [H, 2H], the RMSNorms
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm`` (weights
+    centred on zero, as the decoder's), and one full-attention decoder layer
+    ``mtp.layers.0.*`` with the tensors (names, shapes, dtypes) of the checkpoint's first
+    full-attention layer, drawn afresh. Sharded checkpoints get a shard of their own."""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm.safetensors_index import safetensors_files
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    layers = "model.language_model.layers." if "text_config" in config else "model.layers."
+    source = f"{layers}{text['layer_types'].index('full_attention')}."
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(shape, std, dtype):
+        return (torch.randn(shape, generator=generator) * std).to(dtype)
+
+    files = safetensors_files(path)
+    tensors = {name: t for file in files for name, t in load_file(file).items()}
+    dtype = tensors[f"{source}input_layernorm.weight"].dtype
+    hidden = text["hidden_size"]
+    head = {"mtp.fc.weight": draw((hidden, 2 * hidden), init_std, dtype)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{norm}.weight"] = draw((hidden,), 0.1, dtype)
+    for name, t in sorted(tensors.items()):
+        if name.startswith(source):
+            std = 0.1 if "norm" in name else init_std
+            head["mtp.layers.0." + name[len(source):]] = draw(t.shape, std, t.dtype)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        save_file(head, path / "model-mtp.safetensors", metadata={"format": "pt"})
+        meta = json.loads(index.read_text())
+        meta["weight_map"].update(dict.fromkeys(head, "model-mtp.safetensors"))
+        index.write_text(json.dumps(meta, indent=2) + "\n")
+    else:
+        [file] = files
+        save_file({**tensors, **head}, file, metadata={"format": "pt"})
     return path
 
 

@@ -1,4 +1,7 @@
 """What several test modules check with, or ask of the model, defined once."""
+import collections
+import random
+
 import pytest
 
 # Two tools with bounded arguments, for the chat-template and tool-call tests (offline and served).
@@ -27,3 +30,39 @@ def same_outputs(a, b, logprob_tol: float = 1e-5, rel: float | None = None) -> N
                 assert {t: lp.rank for t, lp in e.items()} == {t: lp.rank for t, lp in f.items()}
                 assert [lp.logprob for lp in e.values()] == pytest.approx([lp.logprob for lp in f.values()],
                                                                           rel=rel, abs=logprob_tol)
+
+
+class OracleProposer:
+    """Drafts what greedy decoding without speculation produced next (``reference``: prompt
+    -> output tokens), with one draft, at a random place or at none, made wrong: so the
+    target accepts 0, 1, .., k drafts, each length about as often. ``lengths`` counts how
+    many drafts it expects accepted at each proposal. One time in five it proposes nothing,
+    so that plain decode steps come between the verifying ones."""
+
+    block_bytes = 0
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab_size: int, seed: int = 0):
+        self.reference, self.vocab_size = reference, vocab_size
+        self.rng = random.Random(seed)
+        self.lengths = collections.Counter()
+
+    def allocate(self, num_blocks: int, runner=None) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            if self.rng.random() < 0.2:
+                drafts.append([])
+                continue
+            done = seq.num_output_tokens
+            right = self.reference[tuple(seq.prompt_token_ids)][done : done + k]
+            wrong = self.rng.randint(0, len(right))  # len(right): every draft right
+            if wrong < len(right):
+                right[wrong] = (right[wrong] + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            self.lengths[wrong] += 1
+            drafts.append(right)
+        return drafts

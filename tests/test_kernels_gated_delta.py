@@ -106,6 +106,38 @@ def test_chunk_kernel(hk, hv, dk, dv, with_pool):
         assert torch.equal(states[slot], before[slot])
 
 
+@pytest.mark.parametrize("hk,hv,dk,dv", SHAPES)
+def test_record_states_kernel(hk, hv, dk, dv):
+    """Speculative decoding: each verifying sequence's state after each of its first
+    counts[i] tokens lands in its slot's spec entries; nothing else is written (the spec
+    pool starts full of random values, the state pool must not change at all)."""
+    from minivllm.kernels.gated_delta import record_gated_delta_states
+    from minivllm.ops.gated_delta import gated_delta_states
+
+    lens = [4, 30, 2, 3, 1]  # sequence 1 is a prefill chunk beside them (keeps nothing)
+    counts = torch.tensor([3, 0, 1, 2, 0], device=DEVICE)
+    q, k, v, decay, beta = packed_inputs(sum(lens), hk, hv, dk, dv, seed=3)
+    cu = torch.tensor([0] + lens).cumsum(0).to(device=DEVICE, dtype=torch.int64)
+    states = torch.randn(7, hv, dk, dv, device=DEVICE)
+    spec = torch.randn(7, 3, hv, dk, dv, device=DEVICE)
+    slots = torch.tensor([4, 0, 6, 2, -1], device=DEVICE)  # the last row is padding
+    has_initial = torch.tensor([1, 1, 1, 0, 1], device=DEVICE)  # slot 2 starts from zeros
+    before, spec_before = states.clone(), spec.clone()
+    record_gated_delta_states(q, k, v, decay, beta, states, slots, has_initial, cu, counts, spec)
+    assert torch.equal(states, before)
+    qp, kp = prepare_qk(q, k, hv)
+    written = torch.zeros(7, 3, dtype=torch.bool)
+    for i, (start, n) in enumerate(zip(cu[:-1].tolist(), counts.tolist())):
+        if not n:
+            continue
+        init = before[slots[i]] if has_initial[i] else torch.zeros(hv, dk, dv, device=DEVICE)
+        part = slice(start, start + n)
+        ref = gated_delta_states(qp[part], kp[part], v[part], decay[part], beta[part], init)
+        torch.testing.assert_close(spec[slots[i], :n], ref, **TOL)
+        written[slots[i], :n] = True
+    assert torch.equal(spec[~written.to(DEVICE)], spec_before[~written.to(DEVICE)])
+
+
 def test_kernels_reject_bad_shapes():
     from minivllm.kernels.gated_delta import chunk_gated_delta_varlen, recurrent_gated_delta_step
 

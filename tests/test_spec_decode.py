@@ -113,8 +113,10 @@ def test_speculative_config_refusals(tiny_qwen3, hybrid_checkpoint):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"})
     with pytest.raises(ValueError, match="speculative_config needs async_scheduling=False"):
         LLM(str(tiny_qwen3), num_kv_blocks=16, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="speculative_config is not supported for hybrid models"):
-        LLM(str(hybrid_checkpoint("qwen3_next")), num_kv_blocks=16, speculative_config=NGRAM)
+    # A hybrid model speculates too (tests/test_spec_hybrid.py), with k states per slot to roll back to.
+    hybrid = LLM(str(hybrid_checkpoint("qwen3_next")), num_kv_blocks=16, speculative_config=NGRAM)
+    assert all(layer.spec_recurrent_states.shape[1] == NGRAM["num_speculative_tokens"]
+               for layer in hybrid.engine.runner.state_layers)
     llm = LLM(str(tiny_qwen3), num_kv_blocks=32, speculative_config=NGRAM)
     for params, name in [(SamplingParams(n=2), "n"), (SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(ValueError, match=f"SamplingParams.{name} is not supported with speculative_config"):

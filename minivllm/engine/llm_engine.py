@@ -89,11 +89,8 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 model_config.vocab_size)
-        if self.speculative is not None and self.runner.num_state_slots:
-            raise ValueError("speculative_config is not supported for hybrid models: their recurrent state "
-                             "cannot be rolled back past rejected draft tokens")
         if self.proposer is not None:
-            self.proposer.allocate(self.runner.num_kv_blocks)
+            self.proposer.allocate(self.runner.num_kv_blocks, self.runner)
         self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
                                     self.speculative is not None)
@@ -380,9 +377,9 @@ class LLMEngine:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
-        if seqs:
-            for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
-                seq.draft_token_ids = drafts
+        # (Also with no sequence to draft for: an MTP head takes in every step the target ran.)
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks)):
+            seq.draft_token_ids = drafts
 
     def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, int, int]], list[RequestState]]:
         """Which positions of the batch score a prompt token this step (the requests with
@@ -489,8 +486,9 @@ class LLMEngine:
         """How many drafts each sampled request of the step accepted. The KV of rejected
         positions stays in the pool past the sequence's end, to be overwritten; the sequence's
         computed tokens and blocks are cut back to the accepted ones (before the full blocks
-        are hashed, so that only known tokens are)."""
-        accepted, row = [], 0
+        are hashed, so that only known tokens are), and a hybrid model's states to those the
+        step kept after the last accepted token (minivllm.engine.state_pool)."""
+        accepted, row, rolled_back = [], 0, []
         for request, drafts in zip(step.requests, step.drafts):
             n = len(drafts)
             a = num_accepted(drafts, sampled.token_ids[row : row + n + 1]) if n else 0
@@ -501,12 +499,16 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens -= n - a
             self.block_manager.shrink(seq, seq.num_computed_tokens + 1)  # + 1: the token this step appends
+            if a < n and seq.state_slot is not None:  # a hybrid model's state ran past the rejected drafts
+                rolled_back.append((seq.state_slot, a))
             request.num_draft_tokens += n
             request.num_accepted_tokens += a
             request.num_spec_steps += 1
             self.stats["spec_draft_tokens"] += n
             self.stats["spec_accepted_tokens"] += a
             self.stats["spec_verify_steps"] += 1
+        if rolled_back:
+            self.runner.keep_accepted_states(*map(list, zip(*rolled_back)))
         return accepted
 
     def _take_prompt_scores(self, step: "LaunchedStep", scored) -> list[RequestState]:

@@ -13,6 +13,13 @@ cache manager is the block manager plus a slot pool. Prefix caching is off for h
 models: a cached block holds the attention layers' keys and values for its tokens, but the
 linear-attention layers' state after those tokens is not kept anywhere, so a request that
 hit the block could not resume the recurrence from it.
+
+Speculative decoding: a verifying step runs the recurrence over a sequence's last token
+and its d drafts, so the slot ends up holding the state after all of them. Each layer also
+has spec pools of k states per slot (k = num_speculative_tokens), where the step keeps the
+state after each of the sequence's first d tokens; when the target accepts a < d drafts,
+``keep_accepted_states`` copies entry a (the state after the last token it kept) into the
+slot. Nothing is recomputed, and the cost is k more states per slot of memory.
 """
 from collections import deque
 
@@ -29,24 +36,46 @@ def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
     return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
 
 
-def allocate_state_pools(layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device) -> int:
+def allocate_state_pools(layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device,
+                         num_spec_states: int = 0) -> int:
     """Give each layer its pools of ``num_slots`` conv states (model dtype) and recurrent
-    states (float32: the state sums thousands of updates). Returns the bytes of one slot."""
+    states (float32: the state sums thousands of updates), and with ``num_spec_states`` = k
+    (speculative decoding) its spec pools of k of each per slot. Returns the bytes of one
+    slot."""
     slot_bytes = 0
     for layer in layers:
         conv_shape, recurrent_shape = layer.state_shapes()
         layer.conv_states = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
         layer.recurrent_states = torch.zeros(num_slots, *recurrent_shape, dtype=torch.float32, device=device)
-        for pool in (layer.conv_states, layer.recurrent_states):
-            slot_bytes += pool[0].numel() * pool.element_size()
+        layer.spec_conv_states = layer.spec_recurrent_states = None
+        if num_spec_states:
+            layer.spec_conv_states = torch.zeros(num_slots, num_spec_states, *conv_shape, dtype=dtype, device=device)
+            layer.spec_recurrent_states = torch.zeros(num_slots, num_spec_states, *recurrent_shape,
+                                                      dtype=torch.float32, device=device)
+        for pool in (layer.conv_states, layer.recurrent_states, layer.spec_conv_states, layer.spec_recurrent_states):
+            if pool is not None:
+                slot_bytes += pool[0].numel() * pool.element_size()
     return slot_bytes
 
 
-def state_metadata(seqs: list[Sequence]) -> np.ndarray:
-    """The step's [2, num_seqs] rows for the Context: each sequence's slot, and whether it
-    continues from that slot's state (something computed already) or starts from zeros."""
-    return np.array([[seq.state_slot for seq in seqs], [int(seq.num_computed_tokens > 0) for seq in seqs]],
-                    dtype=np.int64)
+def state_metadata(seqs: list[Sequence], num_drafts: list[int] | None = None) -> np.ndarray:
+    """The step's rows for the Context: each sequence's slot, and whether it continues from
+    that slot's state (something computed already) or starts from zeros; with ``num_drafts``
+    (speculative decoding: the drafts each verifies, not all zero) a third row of them."""
+    rows = [[seq.state_slot for seq in seqs], [int(seq.num_computed_tokens > 0) for seq in seqs]]
+    if num_drafts and any(num_drafts):
+        rows.append(num_drafts)
+    return np.array(rows, dtype=np.int64)
+
+
+def keep_accepted_states(layers: list[GatedDeltaNet], slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    """After a verifying step: sequence i, in slot ``slots[i]``, accepted ``accepted[i]``
+    of its drafts and rejected the next, so its state is the one the step kept after its
+    token ``accepted[i]`` (its last token is token 0, the drafts follow), not the one after
+    all of them that the slot holds. [n] int64 tensors on the layers' device."""
+    for layer in layers:
+        layer.conv_states[slots] = layer.spec_conv_states[slots, accepted]
+        layer.recurrent_states[slots] = layer.spec_recurrent_states[slots, accepted]
 
 
 class StatePool:

@@ -20,6 +20,12 @@ Prefill, chunks of C = 64 tokens (``kernels.common.CHUNK_SIZE``), two kernels:
      state exp(gamma_C) S + (K exp(gamma_C - gamma))^T V'. FLOPs ~ 4 C dk dv + 2 C^2 (dk + dv)
      per chunk and head: compute-bound at long prompts, bytes ~ q, k, v, W, U once.
 Queries and keys are L2-normalised inside the kernels (float32), as the reference does.
+
+Speculative decoding, ``_record_states_kernel``: a verifying sequence's state after each of
+its first d tokens, kept for the engine to roll back to (beside whichever pass computes
+the step's outputs and final states; it runs first, from the slot's state).
+  bytes ~ (1 + d) * Hv * dk * dv * 4 per verifying sequence (its state in, d states out)
+  FLOPs ~ 5 * d * Hv * dk * dv
 """
 import torch
 import triton
@@ -134,6 +140,52 @@ def _recurrent_step_kernel(
     tl.store(out_ptr + n * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=cols < DV)
 
 
+@triton.jit
+def _record_states_kernel(
+    k_ptr,  # [T, Hk, dk] (raw: normalised here)
+    v_ptr,  # [T, Hv, dv]
+    g_ptr,  # [T, Hv] float32, log decay
+    beta_ptr,  # [T, Hv] float32
+    state_ptr,  # [slots, Hv, dk, dv] float32, read only: each sequence's state before the step
+    slot_ptr,  # [num_seqs]: each sequence's state slot, -1 for padding
+    init_ptr,  # [num_seqs]: 1 to continue from the slot's state, 0 to start from zeros
+    cu_ptr,  # [num_seqs + 1]: where each sequence starts
+    count_ptr,  # [num_seqs]: how many states to keep (its drafts; 0: none)
+    spec_ptr,  # [slots, k, Hv, dk, dv] float32, written: entry j the state after the sequence's token j
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_ss, stride_sh, stride_sk, stride_ps, stride_pj, stride_ph, stride_pk,
+    DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BK)
+    count = tl.load(count_ptr + n)
+    slot = tl.load(slot_ptr + n)
+    if (count > 0) & (slot >= 0):
+        keep = tl.load(init_ptr + n) != 0
+        bos = tl.load(cu_ptr + n)
+        km, vm = rows < DK, cols < DV
+        sm = km[:, None] & vm[None, :]
+        hk = h // GROUP
+        slot = slot.to(tl.int64)
+        s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
+        state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
+        p_ptrs = spec_ptr + slot * stride_ps + h * stride_ph + rows[:, None] * stride_pk + cols[None, :]
+        for j in range(0, count):
+            t = bos + j
+            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + t * stride_gt + h)
+            beta = tl.load(beta_ptr + t * stride_bt + h)
+            state = state * tl.exp(g)
+            predicted = tl.sum(state * k[:, None], axis=0)
+            delta = beta * (v - predicted)
+            state = state + k[:, None] * delta[None, :]
+            tl.store(p_ptrs + j * stride_pj, state, mask=sm)
+
+
 def _check_rule_shapes(q, k, v, g, beta, states):
     num_tokens, num_k_heads, dk = q.shape
     _, num_v_heads, dv = v.shape
@@ -172,6 +224,37 @@ def recurrent_gated_delta_step(
         DK=dk, DV=dv, GROUP=num_v_heads // num_k_heads, BK=bk, BV=bv,
     )
     return out
+
+
+def record_gated_delta_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor, counts: torch.Tensor, spec_states: torch.Tensor,
+) -> None:
+    """Speculative decoding: for each packed sequence i (cu_seqlens), its state after each
+    of its first counts[i] tokens, from its slot's state (zeros where has_initial_state is
+    0), into spec_states[slots[i], :counts[i]]. q, k: [T, Hk, dk] (raw; q only checks the
+    shapes, the state does not depend on it); v: [T, Hv, dv]; g, beta: [T, Hv] float32;
+    states: [slots, Hv, dk, dv] float32, not written; spec_states: [slots, k, Hv, dk, dv]
+    float32. ``minivllm.ops.gated_delta.gated_delta_states`` is the spec."""
+    _, _, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
+    if (spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0] or spec_states.shape[2:] != states.shape[1:]
+            or spec_states.dtype != torch.float32 or not spec_states.is_contiguous()):
+        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
+                         f"got {tuple(spec_states.shape)} {spec_states.dtype}")
+    num_seqs = counts.shape[0]
+    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs or cu_seqlens.shape[0] != num_seqs + 1:
+        raise ValueError(f"counts, slots and has_initial_state need one entry per sequence and cu_seqlens one more: "
+                         f"{num_seqs}, {slots.shape[0]}, {has_initial_state.shape[0]}, {cu_seqlens.shape[0]}")
+    bk = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), 32 if k.is_cuda else 16)
+    _record_states_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, bv))](
+        k, v, g, beta, states, slots, has_initial_state, cu_seqlens, counts, spec_states,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        states.stride(0), states.stride(1), states.stride(2),
+        spec_states.stride(0), spec_states.stride(1), spec_states.stride(2), spec_states.stride(3),
+        DK=dk, DV=dv, GROUP=num_v_heads // q.shape[1], BK=bk, BV=bv,
+    )
 
 
 # -- prefill ----------------------------------------------------------------------------

@@ -14,6 +14,9 @@ What a sequence carries from step to step is two small tensors per layer, whatev
 length: the conv state (its last K - 1 qkv inputs) and the recurrent state (a
 [key_dim, value_dim] matrix per value head, float32). The engine gives each running
 sequence a slot in ``conv_states`` / ``recurrent_states`` (``minivllm.engine.state_pool``).
+Under speculative decoding the layer also has ``spec_conv_states`` / ``spec_recurrent_states``,
+k states per slot: a verifying step keeps there the states after each draft it computes,
+so that a rejection can go back to the state after the last accepted one.
 """
 import torch
 import torch.nn.functional as F
@@ -65,6 +68,9 @@ class GatedDeltaNet(nn.Module):
         # and [slots, num_v_heads, head_k_dim, head_v_dim] (float32).
         self.conv_states: torch.Tensor | None = None
         self.recurrent_states: torch.Tensor | None = None
+        # Speculative decoding: [slots, k, ...] of each (None without).
+        self.spec_conv_states: torch.Tensor | None = None
+        self.spec_recurrent_states: torch.Tensor | None = None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The per-sequence (conv, recurrent) state shapes: fixed, whatever the context length."""
@@ -75,13 +81,13 @@ class GatedDeltaNet(nn.Module):
         ctx = get_context()
         qkv, z, b, a = self.in_proj(hidden_states).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], self.conv_states, ctx)
+        qkv = causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], self.conv_states, ctx, self.spec_conv_states)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(-1, self.num_k_heads, self.head_k_dim)
         k = k.view(-1, self.num_k_heads, self.head_k_dim)
         v = v.view(-1, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid().float()  # in the model's dtype first, as transformers
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = gated_delta_rule_varlen(q, k, v, g, beta, self.recurrent_states, ctx)
+        out = gated_delta_rule_varlen(q, k, v, g, beta, self.recurrent_states, ctx, self.spec_recurrent_states)
         out = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.flatten(1))

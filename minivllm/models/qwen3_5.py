@@ -11,6 +11,10 @@ differences from Qwen3:
 - every RMSNorm of the decoder (layer norms, q/k norms, the final norm) scales by
   ``1 + weight`` in float32 (weights centred on zero), as Gemma's; the gated norm inside
   the linear-attention layers scales by ``weight``.
+
+The checkpoints also carry a multi-token-prediction head (``mtp.*``, see
+``Qwen3_5MultiTokenPredictor``) that the target model does not use; speculative decoding
+drafts with it (``minivllm.spec_decode.mtp``).
 """
 import torch
 from torch import nn
@@ -111,6 +115,40 @@ class Qwen3_5Model(nn.Module):
         return self.norm(hidden_states)
 
 
+class Qwen3_5MultiTokenPredictor(nn.Module):
+    """The multi-token-prediction (MTP) head of Qwen3.5 and Qwen3-Next checkpoints, the
+    ``mtp.*`` tensors: from the target's hidden state at position j (after its final norm)
+    and the embedding of token j + 1, it predicts token j + 2, through the target's LM head.
+
+        x = fc([pre_fc_norm_embedding(embed(t_{j+1})) | pre_fc_norm_hidden(h_j)])   2H -> H
+        out = norm(layer(x))     one full-attention decoder layer, attending over the head's
+                                 own keys and values at positions 0..j
+
+    The norms are the decoder's (``1 + weight``); the layer is a full-attention layer of the
+    family (gated attention, partial rotary), numbered after the decoder's last for its
+    feed-forward rule (``make_mlp``: dense, or experts in the MoE families). The embedding
+    and the LM head are the target's (``mtp_use_dedicated_embeddings`` is false in every
+    published config), so they are not part of this module. ``out`` is also the hidden
+    state the head takes in place of h_j to predict one more token from its own guess.
+    """
+
+    def __init__(self, config: ModelConfig, make_mlp=feed_forward, num_layers: int = 1):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = GemmaRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(hidden, eps)
+        self.fc = Linear(2 * hidden, hidden)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, config.num_hidden_layers + i, FULL, make_mlp)
+                                    for i in range(num_layers))
+        self.norm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """embeds: [num_tokens, H], the next tokens' embeddings; hidden_states: [num_tokens, H],
+        the target's (or this head's own) at the same positions. Returns [num_tokens, H]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden_states)], dim=-1))
+        return self.norm(self.layers[0](positions, x))
+
+
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     packed_modules_mapping = {
         **Qwen3ForCausalLM.packed_modules_mapping,
@@ -119,6 +157,16 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         "in_proj_b": ("in_proj", "b"),
         "in_proj_a": ("in_proj", "a"),
     }
+    make_mlp = staticmethod(feed_forward)  # each layer's feed-forward: (config, layer_idx) -> module
 
     def make_model(self, config: ModelConfig) -> nn.Module:
-        return Qwen3_5Model(config)
+        return Qwen3_5Model(config, make_mlp=self.make_mlp)
+
+    @classmethod
+    def make_mtp(cls, config: ModelConfig, num_layers: int = 1) -> nn.Module:
+        """The checkpoint's MTP head (``mtp.*``), loaded as the model is (the same packed
+        projections and experts)."""
+        head = Qwen3_5MultiTokenPredictor(config, cls.make_mlp, num_layers)
+        head.packed_modules_mapping = cls.packed_modules_mapping
+        head.expert_modules_mapping = getattr(cls, "expert_modules_mapping", {})
+        return head

@@ -18,7 +18,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.layers.moe import sparse_moe_block
-from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -28,12 +28,10 @@ def qwen3_5_moe_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     expert_modules_mapping = Qwen3MoeForCausalLM.expert_modules_mapping
+    make_mlp = staticmethod(qwen3_5_moe_mlp)
 
     def __init__(self, config: ModelConfig):
         if config.num_experts < 1 or config.shared_expert_intermediate_size < 1:
             raise ValueError(f"{config.architecture} needs num_experts >= 1 and shared_expert_intermediate_size >= 1 "
                              f"in config.json, got {config.num_experts} and {config.shared_expert_intermediate_size}")
         super().__init__(config)
-
-    def make_model(self, config: ModelConfig) -> nn.Module:
-        return Qwen3_5Model(config, make_mlp=qwen3_5_moe_mlp)

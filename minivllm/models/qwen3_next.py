@@ -72,4 +72,4 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     def make_model(self, config: ModelConfig) -> nn.Module:
         # Qwen3.5's stack, and its default feed-forward rule: Qwen3-MoE's.
-        return Qwen3_5Model(config, linear_attention=Qwen3NextGatedDeltaNet)
+        return Qwen3_5Model(config, make_mlp=self.make_mlp, linear_attention=Qwen3NextGatedDeltaNet)

@@ -1,6 +1,6 @@
 """Speculative decoding (chapter 19): propose a few tokens cheaply, verify them all in one
-forward pass of the target model. See ``ngram`` and ``draft`` for the proposers (``proposer``
-for what the engine asks of them) and ``verify`` for the acceptance rule.
+forward pass of the target model. See ``ngram``, ``draft`` and ``mtp`` for the proposers
+(``proposer`` for what the engine asks of them) and ``verify`` for the acceptance rule.
 
 Decoding is memory-bound: a decode step reads every weight to compute one token per
 sequence, and computing 1 + d tokens per sequence reads them once too. If the proposer
@@ -15,11 +15,16 @@ lies beyond its end and is overwritten later.
 Limits of this first version: the engine runs the synchronous loop (the proposer needs the
 accepted tokens on the host before it schedules the next step); a verifying step has
 several tokens per sequence, so it is not a decode CUDA graph: on a GPU a step verifying
-one sequence replays the runner's prefill graph of 16 tokens, one with several sequences
-runs eagerly, and so do the draft model's own passes; requests
+one sequence replays the runner's prefill graph of 16 tokens (a hybrid model has none:
+eagerly), one with several sequences runs eagerly, and so do a draft model's or an MTP
+head's own passes; requests
 with penalties or bad words are not speculated (each draft row would need its own token
-history); hybrid models, tensor parallelism, n > 1, prompt_logprobs and structured outputs
-are refused.
+history); tensor parallelism, n > 1, prompt_logprobs and structured outputs are refused.
+
+Hybrid models (Gated DeltaNet layers) carry a recurrent state instead of a KV cache, and
+it cannot be cut back as a block table is: the verifying step keeps the state after each
+draft it computes, and the engine puts the one after the last accepted token back in the
+sequence's slot (``minivllm.engine.state_pool``).
 """
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import propose_ngram

@@ -1,13 +1,16 @@
 """``speculative_config``: vLLM's dictionary, checked into a dataclass.
 
-Two methods: ``"ngram"`` (prompt lookup, ``minivllm.spec_decode.ngram``) and
-``"draft_model"`` (a small model of the same tokenizer, ``minivllm.spec_decode.draft``). As
-in vLLM, a dictionary that names a ``"model"`` and no method means a draft model.
+Three methods: ``"ngram"`` (prompt lookup, ``minivllm.spec_decode.ngram``),
+``"draft_model"`` (a small model of the same tokenizer, ``minivllm.spec_decode.draft``) and
+``"mtp"`` (the multi-token-prediction head that Qwen3.5 and Qwen3-Next checkpoints carry,
+``minivllm.spec_decode.mtp``: it is read from the target's own checkpoint, so it takes no
+``"model"``). As in vLLM, a dictionary that names a ``"model"`` and no method means a draft
+model.
 """
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 
 
@@ -39,10 +42,15 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs num_speculative_tokens (k >= 1)")
         if d["method"] == "ngram" and d.get("model") is not None:
             raise ValueError('speculative_config model is for method "draft_model"; method "ngram" takes none')
-        if d["method"] == "draft_model":
+        if d["method"] == "mtp" and d.get("model") is not None:
+            raise ValueError('speculative_config model is for method "draft_model"; method "mtp" takes none (it '
+                             "reads the multi-token-prediction head from the target model's own checkpoint)")
+        if d["method"] in ("draft_model", "mtp"):
             given = [key for key in NGRAM_KEYS if key in d]
             if given:
-                raise ValueError(f'speculative_config {", ".join(given)}: for method "ngram" only, not "draft_model"')
+                raise ValueError(f'speculative_config {", ".join(given)}: for method "ngram" only, '
+                                 f'not {d["method"]!r}')
+        if d["method"] == "draft_model":
             check_draft_folder(d.get("model"))
             d["model"] = str(Path(d["model"]).expanduser())
         config = cls(**d)

@@ -15,10 +15,10 @@ well as greedy ones. vLLM v1's draft-model and EAGLE proposers draft greedily fo
 reason. (Sampling the drafts from q would need the rule with min(1, p/q) and q's
 probabilities kept for the verifier; a point mass needs neither.)
 
-The draft's own KV cache. Each sequence the draft has seen keeps a ``DraftState``: a block
-table into the draft's pool (blocks of the engine's block size, one draft block per block
-of the target's pool, so the engine's KV budget pays for both) and how many of its tokens
-are cached there. At each proposal the draft first catches up on what the sequence gained
+The draft's own KV cache (``minivllm.spec_decode.draft_cache``). Each sequence the draft
+has seen keeps a ``DraftState``: a block table into the draft's pool (blocks of the
+engine's block size, one draft block per block of the target's pool, so the engine's KV
+budget pays for both) and how many of its tokens are cached there. At each proposal the draft first catches up on what the sequence gained
 since the last one: the tokens the target accepted and the one it sampled. The drafts fed
 at the last proposal left their keys and values behind them; those the target accepted are
 kept, and the cache is cut back at the first one it rejected (the rest of its contents are
@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from minivllm.context import reset_context, set_context
+from minivllm.context import reset_context
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.loader import load_model
 from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.draft_cache import CacheState, DraftCache
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -54,18 +54,14 @@ if TYPE_CHECKING:
 
 # The draft trained for the bundled model (scripts/train_tiny_model.py), where it is shipped.
 BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "draft"
-# Each field of a pass's metadata starts at a multiple of this many int64s (128 bytes).
-FIELD_ALIGN = 16
 
 
 @dataclass
-class DraftState:
+class DraftState(CacheState):
     """What the draft model holds for one sequence: the keys and values of the sequence's
     first ``num_cached`` tokens, and after them those of ``fed_drafts``, the drafts it fed
     itself at its last proposal (valid as far as the target accepted them)."""
 
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0
     fed_drafts: list[int] = field(default_factory=list)
 
     def resume_at(self, token_ids: list[int]) -> int:
@@ -80,58 +76,18 @@ class DraftState:
         return min(n, len(token_ids) - 1)
 
 
-class DraftModelProposer:
+class DraftModelProposer(DraftCache):
     """Greedy drafts from a small model with its own paged KV cache (see the module)."""
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig):
-        self.device = torch.device(config.device)
-        self.model = load_model(spec.model, dtype=config.dtype, device=self.device)
+        device = torch.device(config.device)
+        self.model = load_model(spec.model, dtype=config.dtype, device=device)
         if any(isinstance(m, GatedDeltaNet) for m in self.model.modules()):
             raise ValueError(f"speculative_config model={spec.model!r} is a hybrid model: its recurrent state "
                              "cannot be cut back past rejected drafts; use a draft with attention layers only")
-        self.layers = attention_layers(self.model)
-        self.block_size = config.block_size
+        super().__init__(attention_layers(self.model), config.block_size, next(self.model.parameters()).dtype, device)
         self.max_tokens_per_forward = config.max_num_batched_tokens
         self.max_positions = self.model.config.max_position_embeddings
-        first = self.layers[0]
-        itemsize = torch.empty((), dtype=config.dtype).element_size()
-        self.block_bytes = 2 * len(self.layers) * self.block_size * first.num_kv_heads * first.head_dim * itemsize
-        self.states: dict[int, DraftState] = {}  # seq_id -> its draft cache
-        self.free_blocks: list[int] = []
-        self.num_blocks = 0
-        self.kv: torch.Tensor | None = None
-
-    def allocate(self, num_blocks: int) -> None:
-        """The draft's KV pool: [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim],
-        every block free (what a previous pool held is forgotten)."""
-        first = self.layers[0]
-        self.kv = torch.empty(2, len(self.layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
-                              dtype=next(self.model.parameters()).dtype, device=self.device)
-        for i, layer in enumerate(self.layers):
-            layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
-        self.num_blocks, self.states = num_blocks, {}
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def forget(self, seq: Sequence) -> None:
-        state = self.states.pop(seq.seq_id, None)
-        if state is not None:
-            self.free_blocks.extend(reversed(state.block_table))
-
-    def _fit(self, state: DraftState, num_positions: int) -> bool:
-        """Give ``state`` exactly the blocks for ``num_positions`` positions; False (and no
-        change) if the pool has too few free."""
-        need = -(-num_positions // self.block_size)
-        if need - len(state.block_table) > len(self.free_blocks):
-            return False
-        while len(state.block_table) > need:
-            self.free_blocks.append(state.block_table.pop())
-        while len(state.block_table) < need:
-            state.block_table.append(self.free_blocks.pop())
-        return True
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
@@ -204,36 +160,9 @@ class DraftModelProposer:
         """One pass of the draft: row i computes ``lengths[i]`` tokens (of the flat
         ``input_ids``) at positions ``starts[i]``.. of its sequence, storing their keys and
         values in its blocks. Returns the argmax token after each row's last (device)."""
-        bs = self.block_size
-        positions, slots, cu = [], [], [0]
-        for state, start, n in zip(states, starts, lengths):
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(state.block_table[p // bs] * bs + p % bs)
-            cu.append(cu[-1] + n)
-        context_lens = [s + n for s, n in zip(starts, lengths)]
-        width = max(len(s.block_table) for s in states)
-        tables = [b for s in states for b in s.block_table + [-1] * (width - len(s.block_table))]
-        positions, slots, context_lens_d, cu_d, tables_d = self._upload([positions, slots, context_lens, cu, tables])
-        set_context(is_prefill=max(lengths) > 1, cu_seqlens_q=cu_d, slot_mapping=slots, context_lens=context_lens_d,
-                    block_tables=tables_d.view(len(states), width), max_seqlen_q=max(lengths),
-                    max_context_len=max(context_lens))
+        positions = self.pass_context(states, starts, lengths)[0]
         try:
             hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden).argmax(dim=-1)
         finally:
             reset_context()
-
-    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
-        """A pass's metadata in one host-to-device copy, cut into views, each starting on a
-        FIELD_ALIGN boundary as the model runner's do (Triton compiles a kernel again for a
-        pointer whose 16-byte alignment changed)."""
-        starts, end = [], 0
-        for f in fields:
-            starts.append(end)
-            end += -(-len(f) // FIELD_ALIGN) * FIELD_ALIGN
-        host = np.zeros(end, dtype=np.int64)
-        for f, start in zip(fields, starts):
-            host[start : start + len(f)] = f
-        flat = torch.from_numpy(host).to(self.device)
-        return [flat[start : start + len(f)] for f, start in zip(fields, starts)]

@@ -29,7 +29,7 @@ from minivllm.config import EngineConfig
 from minivllm.context import get_context, reset_context, set_context
 from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.state_pool import allocate_state_pools, state_layers, state_metadata
+from minivllm.engine.state_pool import allocate_state_pools, keep_accepted_states, state_layers, state_metadata
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
@@ -151,7 +151,10 @@ class ModelRunner:
         # allocated before the KV pool so that the pool is sized from what is left.
         self.state_layers = state_layers(self.model)
         self.num_state_slots = config.max_num_seqs if self.state_layers else 0
-        self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device)
+        # Speculative decoding keeps k more states per slot, to roll a rejection back to.
+        num_spec_states = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device,
+                                                     num_spec_states)
         self.num_kv_blocks = self._allocate_kv_cache()
         # A sequence can never grow past the model's positions (asking for more is an error),
         # nor past the whole pool (a small pool shortens it, and says so).
@@ -164,6 +167,11 @@ class ModelRunner:
             logger.warning("max_model_len is %d, not %d: the KV pool holds only %d blocks of %d tokens (raise "
                            "gpu_memory_utilization, cpu_kv_cache_space or num_kv_blocks for more)",
                            self.max_model_len, limit, self.num_kv_blocks, self.block_size)
+        # Speculative decoding with an MTP head (chapter 19): it reads the hidden states of
+        # every position the last step computed, and which sequences' positions they are.
+        self.keep_hidden_states = False
+        self.last_step: tuple[list, list[int], list[int]] | None = None  # (seqs, first positions, counts)
+        self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -298,6 +306,9 @@ class ModelRunner:
         tokens and the row of each sequence in them, and the input is filled from there."""
         input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
         pending_dst, pending_src = [], []
+        if self.keep_hidden_states:
+            self.last_step = (list(batch.seqs), [seq.num_computed_tokens for seq in batch.seqs],
+                              list(batch.num_new_tokens))
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
@@ -329,17 +340,28 @@ class ModelRunner:
             prompt_top_k=prompt_top_k)
         input_ids, positions = self.upload(step, previous[0] if pending_dst else None)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
-            self._set_state_slots(state_metadata(batch.seqs))
+            self._set_state_slots(state_metadata(batch.seqs, batch.num_drafts))
         return input_ids, positions
 
     def _set_state_slots(self, metadata: np.ndarray) -> None:
-        """The Context's state slots and has_initial_state, from state_metadata's rows. The
-        second row starts on a FIELD_ALIGN boundary (see StepInputs.offsets)."""
+        """The Context's state slots and has_initial_state (and, in a verifying step, the
+        spec state counts), from state_metadata's rows. Each row starts on a FIELD_ALIGN
+        boundary (see StepInputs.offsets)."""
         n = metadata.shape[1]
-        padded = np.zeros((2, -(-n // FIELD_ALIGN) * FIELD_ALIGN), dtype=np.int64)
+        padded = np.zeros((metadata.shape[0], -(-n // FIELD_ALIGN) * FIELD_ALIGN), dtype=np.int64)
         padded[:, :n] = metadata
         ctx = get_context()
-        ctx.state_slots, ctx.has_initial_state = self._to_device(padded)[:, :n]
+        rows = self._to_device(padded)[:, :n]
+        ctx.state_slots, ctx.has_initial_state = rows[0], rows[1]
+        if metadata.shape[0] > 2:
+            ctx.spec_state_counts = rows[2]
+
+    def keep_accepted_states(self, slots: list[int], accepted: list[int]) -> None:
+        """Hybrid models under speculative decoding: the sequences in ``slots`` rejected a
+        draft, each after ``accepted`` accepted ones; their states go back to match
+        (minivllm.engine.state_pool)."""
+        index = self._to_device(np.array([slots, accepted], dtype=np.int64))
+        keep_accepted_states(self.state_layers, index[0], index[1])
 
     def upload(self, step: StepInputs, previous_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a flattened step to the device and set its Context; return input ids and
@@ -427,6 +449,8 @@ class ModelRunner:
                 hidden = self._replay_prefill(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
+            if self.keep_hidden_states:
+                self.last_hidden = hidden
             prompt_scores = self._score_prompt_rows(hidden, ctx) if ctx.prompt_logits_indices is not None else None
             if ctx.logits_indices is not None and len(ctx.logits_indices) == 0:
                 return None, prompt_scores  # no sequence samples this step (all mid-prefill)
@@ -460,6 +484,7 @@ class ModelRunner:
         self.graphs.clear()
         self.prefill_graphs.clear()
         self.static = self.prefill_static = self.kv_cache = self.model = self.layers = self.state_layers = None
+        self.last_step = self.last_hidden = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

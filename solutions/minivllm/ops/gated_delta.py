@@ -26,6 +26,14 @@ after another (``Context.cu_seqlens_q``). Each sequence's recurrent state and co
 live in a *slot* of a per-layer pool; ``Context.state_slots`` says which, and
 ``Context.has_initial_state`` whether the sequence continues from it (a later chunk, a
 decode) or starts from zeros (its first tokens).
+
+Speculative decoding (chapter 19) verifies d drafts of a sequence in one (1 + d)-token
+chunk, and the state runs over all of them; when the target rejects draft a + 1, the state
+the sequence must continue from is the one after its first a + 1 tokens. So a verifying
+sequence also keeps its states after each of its first d tokens, conv window and recurrent
+state, in the layer's *spec pools* ([slots, k, ...], ``Context.spec_state_counts`` says how
+many per sequence), and the engine copies the right one into the slot once it knows how
+many drafts were accepted (``minivllm.engine.state_pool.keep_accepted_states``).
 """
 import torch
 import torch.nn.functional as F
@@ -80,6 +88,20 @@ def recurrent_gated_delta_rule(
         o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
         out[t], state = o[0], s[0]
     return out, state
+
+
+def gated_delta_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The state after each token of one sequence, by the recurrence: what a verifying step
+    keeps for the engine to roll back to. Arguments as recurrent_gated_delta_rule; returns
+    [T, H, dk, dv] float32, entry t the state after token t."""
+    states = torch.empty(q.shape[0], *state.shape, dtype=torch.float32, device=q.device)
+    state = state.float()
+    for t in range(q.shape[0]):
+        _, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
+        states[t] = state = s[0]
+    return states
 
 
 def gated_delta_chunk(
@@ -163,18 +185,36 @@ def _initial(pool: torch.Tensor | None, ctx: Context, i: int, shape, dtype, devi
     return pool[int(ctx.state_slots[i])]
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None, ctx: Context) -> torch.Tensor:
+def _spec_counts(ctx: Context, num_seqs: int, spec_pool: torch.Tensor | None) -> list[int]:
+    """How many states each sequence keeps for a rollback (0 for all without a spec pool)."""
+    if spec_pool is None or ctx.spec_state_counts is None or ctx.state_slots is None:
+        return [0] * num_seqs
+    return ctx.spec_state_counts.tolist()
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None, ctx: Context,
+                         spec_conv_states: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(causal conv) of a packed batch; each sequence continues from its conv state and
     leaves its last K - 1 inputs in it. x: [num_tokens, D]; conv_states: [slots, D, K - 1]
-    or None (no pool: every sequence starts from zeros, nothing is kept)."""
+    or None (no pool: every sequence starts from zeros, nothing is kept). A verifying
+    sequence also leaves its window after each of its first ``ctx.spec_state_counts[i]``
+    inputs in ``spec_conv_states`` [slots, k, D, K - 1]."""
     if conv_states is not None and ctx.state_slots is not None and use_triton(x):
         from minivllm.kernels import gated_delta as kernels
 
         if not ctx.is_prefill:
             return kernels.causal_conv1d_update(x, weight, conv_states, ctx.state_slots, ctx.has_initial_state)
     out = torch.empty_like(x)
-    for i, (start, end) in enumerate(_sequences(ctx, x.shape[0])):
-        state = _initial(conv_states, ctx, i, (x.shape[1], weight.shape[1] - 1), x.dtype, x.device)
+    sequences = _sequences(ctx, x.shape[0])
+    counts = _spec_counts(ctx, len(sequences), spec_conv_states)
+    width = weight.shape[1]
+    for i, (start, end) in enumerate(sequences):
+        state = _initial(conv_states, ctx, i, (x.shape[1], width - 1), x.dtype, x.device)
+        if counts[i]:  # (before the slot is written: ``state`` may be a view of it)
+            window = torch.cat([state.to(x.dtype), x[start:end].T], dim=-1)  # [D, K - 1 + T]
+            # After input j the last K - 1 inputs are window columns j + 1 .. j + K - 1.
+            kept = window.unfold(1, width - 1, 1)[:, 1 : counts[i] + 1]  # [D, r, K - 1]
+            spec_conv_states[int(ctx.state_slots[i]), : counts[i]] = kept.transpose(0, 1)
         out[start:end], state = causal_conv1d(x[start:end], weight, state)
         if conv_states is not None and ctx.state_slots is not None:
             conv_states[int(ctx.state_slots[i])] = state
@@ -183,17 +223,23 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 
 def gated_delta_rule_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    states: torch.Tensor | None, ctx: Context,
+    states: torch.Tensor | None, ctx: Context, spec_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over a packed batch: the Triton kernels on a GPU, the torch
     reference elsewhere. q, k: [num_tokens, Hk, dk] raw (normalised here); v: [num_tokens,
     Hv, dv]; g, beta: [num_tokens, Hv] float32; states: [slots, Hv, dk, dv] float32 or None.
     A prefill step runs the chunked form per sequence, a decode step one batched recurrent
-    step. Returns [num_tokens, Hv, dv] in v's dtype."""
+    step. A verifying sequence also leaves its state after each of its first
+    ``ctx.spec_state_counts[i]`` tokens in ``spec_states`` [slots, k, Hv, dk, dv]. Returns
+    [num_tokens, Hv, dv] in v's dtype."""
     with_pool = states is not None and ctx.state_slots is not None
+    keep_spec = with_pool and spec_states is not None and ctx.spec_state_counts is not None
     if use_triton(q):
         from minivllm.kernels import gated_delta as kernels
 
+        if keep_spec:  # first: it starts from the slots' states, which the pass below overwrites
+            kernels.record_gated_delta_states(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
+                                              ctx.cu_seqlens_q, ctx.spec_state_counts, spec_states)
         if with_pool and not ctx.is_prefill:
             return kernels.recurrent_gated_delta_step(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state)
         cu, longest = ctx.cu_seqlens_q, ctx.max_seqlen_q
@@ -214,9 +260,15 @@ def gated_delta_rule_varlen(
         return out.to(v.dtype)
     out = torch.empty_like(v)
     shape = (v.shape[1], q.shape[2], v.shape[2])
-    for i, (start, end) in enumerate(_sequences(ctx, q.shape[0])):
+    sequences = _sequences(ctx, q.shape[0])
+    counts = _spec_counts(ctx, len(sequences), spec_states if keep_spec else None)
+    for i, (start, end) in enumerate(sequences):
         part = slice(start, end)
         state = _initial(states, ctx, i, shape, torch.float32, q.device)
+        if counts[i]:
+            r = slice(start, start + counts[i])
+            spec_states[int(ctx.state_slots[i]), : counts[i]] = gated_delta_states(
+                qp[r], kp[r], v[r], g[r], beta[r], state)
         o, state = chunk_gated_delta_rule(qp[part], kp[part], v[part], g[part], beta[part], state)
         out[part] = o.to(v.dtype)
         if with_pool:
