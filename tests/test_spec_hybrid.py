@@ -128,7 +128,7 @@ def with_oracle(checkpoint, prompts, params, k, engine_args, before_spec=lambda:
     calling ``before_spec``); the speculating engine."""
     plain = LLM(str(checkpoint), dtype="float32", device=DEVICE, **engine_args)
     want = plain.generate(prompts, params, use_tqdm=False)
-    del plain
+    plain.shutdown()  # its KV pool back before the speculating engine sizes its own
     before_spec()
     spec = LLM(str(checkpoint), dtype="float32", device=DEVICE, **engine_args,
                speculative_config=dict(NGRAM, num_speculative_tokens=k))
