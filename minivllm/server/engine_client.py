@@ -45,14 +45,16 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class EngineCoreClient(RequestQueues):
-    def __init__(self, model=None, startup_s: float | None = None, **engine_args):
+    def __init__(self, model=None, startup_s: float | None = None, core_main=run_engine_core, **engine_args):
         """Start the engine core as ``LLM(model, **engine_args)`` would build its engine,
         and wait until it is ready (at most ``startup_s`` seconds; None: as long as it is
-        alive). A bad argument raises ValueError, as LLM() does."""
+        alive). A bad argument raises ValueError, as LLM() does. ``core_main``: what the
+        core's process runs (``run_engine_core``'s arguments; a stand-in core that speaks the
+        same protocol measures the server alone, ``scripts/profile_server.py``)."""
         spawn = mp.get_context("spawn")
         self._sock, theirs = socket.socketpair()
         self.process = spawn.Process(
-            target=run_engine_core, name="minivllm-engine-core",
+            target=core_main, name="minivllm-engine-core",
             args=(theirs, model, engine_args, torch.get_num_threads(), logging.getLogger().getEffectiveLevel()))
         self.process.start()
         theirs.close()  # the core holds its end now; ours alone stays here
