@@ -22,6 +22,7 @@ under cProfile in the server's process, its top functions.
 import argparse
 import asyncio
 import cProfile
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -168,7 +169,8 @@ def paced_core(sock, model, llm_args: dict, num_threads: int, log_level: int) ->
 # -- the server (in its own process) -----------------------------------------------------
 
 
-def serve(port: int, step_ms: float, max_num_seqs: int, max_num_batched_tokens: int, profile: str | None) -> None:
+def serve(port: int, step_ms: float, max_num_seqs: int, max_num_batched_tokens: int, profile: str | None,
+          pid_file: str) -> None:
     """``minivllm serve``'s stack over the stand-in core. With ``profile``: cProfile from
     SIGUSR1 to SIGUSR2 (the timed run only), written to that file."""
     import logging
@@ -180,7 +182,19 @@ def serve(port: int, step_ms: float, max_num_seqs: int, max_num_batched_tokens: 
     logging.basicConfig(level=logging.WARNING)
     client = EngineCoreClient(BUNDLED_MODEL, core_main=paced_core, step_ms=step_ms, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096)
-    print(f"core pid {client.process.pid}", flush=True)
+    Path(pid_file).write_text(str(client.process.pid))
+    gc_seconds = [0.0, 0, 0.0]  # seconds in the garbage collector, collections, start of the current one
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            gc_seconds[2] = time.thread_time()
+        else:
+            gc_seconds[0] += time.thread_time() - gc_seconds[2]
+            gc_seconds[1] += 1
+
+    gc.callbacks.append(gc_timer)
+    signal.signal(signal.SIGHUP, lambda *_: print(f"gc: {gc_seconds[1]} collections, {gc_seconds[0]:.3f} s",
+                                                  file=sys.stderr, flush=True))
     if profile:
         profiler = cProfile.Profile()
         signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
@@ -227,16 +241,21 @@ def run_clients(url: str, prompts, output_lens, num_processes: int):
     return got, seconds, client_cpu
 
 
-def measure(args, profile: str | None) -> dict:
+def measure(args, profile: str | None = None, py_spy: str | None = None) -> dict:
+    """One timed run against a fresh server. ``profile``: cProfile in the server over the
+    timed run, to that file; ``py_spy``: py-spy's samples of it instead (collapsed stacks)."""
     port = free_port()
+    pid_file = Path(tempfile.mkdtemp()) / "core.pid"
     cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--step-ms", str(args.step_ms),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--pid-file", str(pid_file)]
     if profile:
         cmd += ["--profile-to", profile]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    # (uvicorn's access log goes to stdout: formatted, as by minivllm serve, then dropped)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+    sampler = None
     try:
-        core_pid = int(server.stdout.readline().split()[-1])
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
@@ -248,16 +267,27 @@ def measure(args, profile: str | None) -> dict:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("the server did not come up")
             time.sleep(0.2)
+        core_pid = int(pid_file.read_text())
         prompts, output_lens, _ = serving_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                                     1000, seed=0)
         warm = [p[::-1] for p in prompts[:16]]
         asyncio.run(run_load(url, MODEL_NAME, warm, [4] * len(warm), math.inf))
         before = cpu_seconds(server.pid), cpu_seconds(core_pid)
+        os.kill(server.pid, signal.SIGHUP)
         if profile:
             os.kill(server.pid, signal.SIGUSR1)
+        if py_spy:
+            sampler = subprocess.Popen([args.py_spy, "record", "-p", str(server.pid), "-f", "raw", "-r", "500",
+                                        "-o", py_spy, "--nonblocking"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # (attached before the clients start)
         got, seconds, client_cpu = run_clients(url, prompts, output_lens, args.client_processes)
         if profile:
             os.kill(server.pid, signal.SIGUSR2)
+        os.kill(server.pid, signal.SIGHUP)  # (the garbage collector's time so far, to stderr)
+        if sampler is not None:
+            sampler.send_signal(signal.SIGINT)
+            sampler.wait(30)
         server_cpu, core_cpu = cpu_seconds(server.pid) - before[0], cpu_seconds(core_pid) - before[1]
     finally:
         server.send_signal(signal.SIGINT)
@@ -299,14 +329,18 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs without the profiler")
     parser.add_argument("--profile", action="store_true", help="then one more run under cProfile: its top functions")
+    parser.add_argument("--py-spy", metavar="PATH", help="then one more run sampled by this py-spy binary (no "
+                        "slow-down): the functions the server's samples were in, and under")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # (the server's process)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--profile-to", help=argparse.SUPPRESS)
+    parser.add_argument("--pid-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         try:
-            serve(args.port, args.step_ms, args.max_num_seqs, args.max_num_batched_tokens, args.profile_to)
+            serve(args.port, args.step_ms, args.max_num_seqs, args.max_num_batched_tokens, args.profile_to,
+                  args.pid_file)
         except KeyboardInterrupt:  # how the measuring process stops it
             pass
         return
@@ -319,6 +353,29 @@ def main() -> None:
         stats = pstats.Stats(str(path))
         stats.sort_stats("tottime").print_stats(args.top)
         stats.sort_stats("cumulative").print_stats(args.top)
+    if args.py_spy:
+        path = Path(tempfile.mkdtemp()) / "server.txt"
+        print("sampled by py-spy:")
+        report(measure(args, py_spy=str(path)))
+        summarize_samples(path, args.top)
+
+
+def summarize_samples(path: Path, top: int) -> None:
+    """py-spy's collapsed stacks (``frame;frame;... count``, the main thread's): the share
+    of the samples in each function itself, and in it or below it."""
+    own, under, total = {}, {}, 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.rsplit(" (", 1)[0] + " " + f.rsplit("/", 1)[-1].split(":")[0].rstrip(")") for f in stack.split(";")]
+        n = int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            under[f] = under.get(f, 0) + n
+    for title, table in (("in the function itself", own), ("in it or below", under)):
+        print(f"-- {title} ({total} samples) --")
+        for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {n / total:6.1%}  {name}")
 
 
 if __name__ == "__main__":
