@@ -24,7 +24,6 @@ import asyncio
 import cProfile
 import gc
 import math
-import multiprocessing as mp
 import os
 import pstats
 import random
@@ -39,7 +38,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from minivllm.bench.serving import percentiles, run_load, serving_workload
+from minivllm.bench.serving import percentiles, run_load, run_load_processes, serving_workload
 from minivllm.testing import cpu_seconds, free_port
 
 MODEL_NAME = "bench"
@@ -183,18 +182,19 @@ def serve(port: int, step_ms: float, max_num_seqs: int, max_num_batched_tokens: 
     client = EngineCoreClient(BUNDLED_MODEL, core_main=paced_core, step_ms=step_ms, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096)
     Path(pid_file).write_text(str(client.process.pid))
-    gc_seconds = [0.0, 0, 0.0]  # seconds in the garbage collector, collections, start of the current one
+    gc_seconds = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}  # generation -> collections, CPU seconds
+    gc_start = [0.0]
 
-    def gc_timer(phase, info):
+    def gc_timer(phase, info):  # (the main thread's CPU time: the collector runs on it)
         if phase == "start":
-            gc_seconds[2] = time.thread_time()
+            gc_start[0] = time.thread_time()
         else:
-            gc_seconds[0] += time.thread_time() - gc_seconds[2]
-            gc_seconds[1] += 1
+            gc_seconds[info["generation"]][0] += 1
+            gc_seconds[info["generation"]][1] += time.thread_time() - gc_start[0]
 
     gc.callbacks.append(gc_timer)
-    signal.signal(signal.SIGHUP, lambda *_: print(f"gc: {gc_seconds[1]} collections, {gc_seconds[0]:.3f} s",
-                                                  file=sys.stderr, flush=True))
+    signal.signal(signal.SIGHUP, lambda *_: print("gc: " + ", ".join(
+        f"generation {g}: {n} in {t * 1e3:.0f} ms" for g, (n, t) in gc_seconds.items()), file=sys.stderr, flush=True))
     if profile:
         profiler = cProfile.Profile()
         signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
@@ -207,38 +207,7 @@ def serve(port: int, step_ms: float, max_num_seqs: int, max_num_batched_tokens: 
     run_server(client, MODEL_NAME, port=port)
 
 
-# -- the load (in this process and the clients') -----------------------------------------
-
-
-def client_main(url, prompts, output_lens, start_at, results):
-    """One client process: its share of the requests, sent at ``start_at`` (perf_counter,
-    the same clock in every process on Linux)."""
-    time.sleep(max(0.0, start_at - time.perf_counter()))
-    cpu = time.process_time()
-    got, _ = asyncio.run(run_load(url, MODEL_NAME, prompts, output_lens, math.inf, start=start_at))
-    results.put(([(r.sent, r.chunk_times, r.output_tokens, r.error) for r in got], time.process_time() - cpu))
-
-
-def run_clients(url: str, prompts, output_lens, num_processes: int):
-    """Every request at once from ``num_processes`` processes (round robin); returns the
-    per-request results (times from the common start), the run's seconds (until the last
-    chunk) and the clients' CPU seconds."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    start_at = time.perf_counter() + 2.0  # every client started and waiting by then
-    procs = [ctx.Process(target=client_main, args=(url, prompts[k::num_processes], output_lens[k::num_processes],
-                                                   start_at, results)) for k in range(num_processes)]
-    for p in procs:
-        p.start()
-    got, client_cpu = [], 0.0
-    for _ in procs:
-        rows, cpu = results.get()
-        got += rows
-        client_cpu += cpu
-    for p in procs:
-        p.join()
-    seconds = max(c[-1] for _, c, _, e in got if c)
-    return got, seconds, client_cpu
+# -- the load ----------------------------------------------------------------------------
 
 
 def measure(args, profile: str | None = None, py_spy: str | None = None) -> dict:
@@ -281,7 +250,8 @@ def measure(args, profile: str | None = None, py_spy: str | None = None) -> dict
                                         "-o", py_spy, "--nonblocking"], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # (attached before the clients start)
-        got, seconds, client_cpu = run_clients(url, prompts, output_lens, args.client_processes)
+        got, seconds, client_cpu = run_load_processes(url, MODEL_NAME, prompts, output_lens, math.inf,
+                                                      processes=args.client_processes)
         if profile:
             os.kill(server.pid, signal.SIGUSR2)
         os.kill(server.pid, signal.SIGHUP)  # (the garbage collector's time so far, to stderr)
@@ -295,13 +265,13 @@ def measure(args, profile: str | None = None, py_spy: str | None = None) -> dict
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-    errors = [e for *_, e in got if e is not None]
-    tokens = sum(n for _, _, n, e in got if e is None)
-    chunks = sum(len(c) for _, c, _, e in got if e is None)
+    ok = [r for r in got if r.error is None]
+    tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.chunk_times) for r in ok)
     events = chunks + 2 * len(got)  # and each stream's usage chunk and [DONE]
-    ttft = [c[0] - sent for sent, c, _, e in got if e is None and c]
-    return {"seconds": seconds, "tokens": tokens, "chunks": chunks, "errors": len(errors), "first_error": errors[:1],
-            "tokens_per_s": tokens / seconds, "ttft_p50_ms": percentiles(ttft)["p50"] * 1e3,
+    return {"seconds": seconds, "tokens": tokens, "chunks": chunks, "errors": len(got) - len(ok),
+            "first_error": [r.error for r in got if r.error is not None][:1],
+            "tokens_per_s": tokens / seconds, "ttft_p50_ms": percentiles([r.ttft for r in ok])["p50"] * 1e3,
             "server_cpu_s": server_cpu, "core_cpu_s": core_cpu, "client_cpu_s": client_cpu,
             "server_us_per_token": server_cpu / tokens * 1e6, "server_us_per_event": server_cpu / events * 1e6,
             "server_busy": server_cpu / seconds, "core_busy": core_cpu / seconds,

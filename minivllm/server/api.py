@@ -649,13 +649,18 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
     """The SSE events of one streaming request: a chunk per output of each of its prompts,
     with a choice for each completion that moved (the text and tokens new since its last
     chunk, under index prompt * n + completion), the usage if asked for, then [DONE]. If the
-    engine fails the request, or dies, the stream says so in an error event before its [DONE]."""
+    engine fails the request, or dies, the stream says so in an error event before its [DONE].
+
+    The last chunk, the usage and [DONE] go in one write: each write is a system call and a
+    packet, and a request's stream is a few of them per token at most."""
+    include_usage = stream_options is not None and stream_options.include_usage
     async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
             yield sse_event({**head, "choices": first})
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
         ended: set[int] = set()  # choices whose finish_reason has been sent
         last: list[RequestOutput | None] = [None] * len(outputs)
+        num_finished = 0
         try:
             async for i, output in events:
                 choices = []
@@ -667,9 +672,16 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
                         sent[index] = (len(c.text), len(c.token_ids))
                         if c.finish_reason is not None:
                             ended.add(index)
-                if choices:
-                    yield sse_event({**head, "choices": choices})
                 last[i] = output
+                num_finished += output.finished
+                event = sse_event({**head, "choices": choices}) if choices else ""
+                if num_finished == len(outputs):  # every prompt's last output: the stream's end follows
+                    if include_usage:
+                        event += sse_event({**head, "choices": [], "usage": usage(*last)})
+                    yield event + DONE_EVENT
+                    return
+                if event:
+                    yield event
         except RequestFailedError as e:
             yield sse_event(APIError(500, f"the engine failed this request ({e}); other requests are unaffected",
                                      type="server_error").body())
@@ -679,7 +691,8 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
             yield sse_event(APIError(503, str(e), type="server_error").body())
             yield DONE_EVENT
             return
-        if stream_options is not None and stream_options.include_usage and all(o is not None for o in last):
+        # (the outputs ended without a finished one: not from an engine, but said the same way)
+        if include_usage and all(o is not None for o in last):
             yield sse_event({**head, "choices": [], "usage": usage(*last)})
         yield DONE_EVENT
 
