@@ -172,3 +172,18 @@ def test_streams_of_a_server_behind_them_add_up_to_the_offline_answers(server, o
     assert choices[-1]["finish_reason"] == want_chat.outputs[0].finish_reason
     assert used["completion_tokens"] == len(want_chat.outputs[0].token_ids)
     assert used["prompt_tokens"] == len(want_chat.prompt_token_ids)
+
+
+def test_the_benchmarks_load_from_two_processes_keeps_one_schedule(server):
+    """``run_load_processes``: the requests dealt to two client processes still go at the
+    times of one Poisson draw, from one start, and come back in the requests' order."""
+    from minivllm.bench.serving import arrival_times, run_load_processes
+
+    prompts = [[5 + i, 17, 301, 42] for i in range(8)]
+    lens = [4 + i for i in range(8)]
+    results, seconds, cpu = run_load_processes(server.url, MODEL, prompts, lens, rate=20.0, seed=1, processes=2)
+    assert [r.error for r in results] == [None] * 8
+    assert [r.output_tokens for r in results] == lens and [r.prompt_tokens for r in results] == [4] * 8
+    times = arrival_times(8, 20.0, 1)
+    assert all(t <= r.sent < t + 0.25 for t, r in zip(times, results)), [(t, r.sent) for t, r in zip(times, results)]
+    assert seconds >= max(r.chunk_times[-1] for r in results) and cpu > 0
