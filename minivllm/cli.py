@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="serving: the server's engine core in a process of its own, or not (default: as "
                             "'minivllm serve' decides)")
+    bench.add_argument("--client-processes", type=int, default=None,
+                       help="serving: processes that send the load and read the streams (default: 4 on a GPU, 1 on "
+                            "a CPU)")
     return parser
 
 
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
                 options.update(base_url=args.base_url, api_key=args.api_key, vocab=args.vocab)
             if args.engine_process is not None:
                 options["engine_process"] = args.engine_process
+            if args.client_processes is not None:
+                options["client_processes"] = args.client_processes
         run = importlib.import_module(f"minivllm.bench.{BENCHMARKS[args.which]}").main
         print(json.dumps(run(args.out, **options), indent=2, default=str))
 

@@ -34,7 +34,7 @@ import torch
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.server.async_engine import EngineDeadError, EngineState, RequestFailedError, RequestQueues
+from minivllm.server.async_engine import EngineDeadError, EngineState, OutputQueue, RequestFailedError, RequestQueues
 from minivllm.server.engine_core import FrameDecoder, apply_delta, frame, run_engine_core
 from minivllm.tokenizer import load_tokenizer
 
@@ -45,14 +45,16 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class EngineCoreClient(RequestQueues):
-    def __init__(self, model=None, startup_s: float | None = None, **engine_args):
+    def __init__(self, model=None, startup_s: float | None = None, core_main=run_engine_core, **engine_args):
         """Start the engine core as ``LLM(model, **engine_args)`` would build its engine,
         and wait until it is ready (at most ``startup_s`` seconds; None: as long as it is
-        alive). A bad argument raises ValueError, as LLM() does."""
+        alive). A bad argument raises ValueError, as LLM() does. ``core_main``: what the
+        core's process runs (``run_engine_core``'s arguments; a stand-in core that speaks the
+        same protocol measures the server alone, ``scripts/profile_server.py``)."""
         spawn = mp.get_context("spawn")
         self._sock, theirs = socket.socketpair()
         self.process = spawn.Process(
-            target=run_engine_core, name="minivllm-engine-core",
+            target=core_main, name="minivllm-engine-core",
             args=(theirs, model, engine_args, torch.get_num_threads(), logging.getLogger().getEffectiveLevel()))
         self.process.start()
         theirs.close()  # the core holds its end now; ours alone stays here
@@ -80,7 +82,7 @@ class EngineCoreClient(RequestQueues):
         self._grammars = None  # only to check requests' grammars here: the core compiles its own
         self._grammars_lock = threading.Lock()
         self._sock.setblocking(False)
-        self._queues: dict[str, asyncio.Queue] = {}  # request id -> what the core sent for it, in order
+        self._queues: dict[str, OutputQueue] = {}  # request id -> the newest output the core sent for it
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.is_shut_down = False
@@ -156,10 +158,16 @@ class EngineCoreClient(RequestQueues):
             kind = message[0]
             if kind == "outputs":
                 _, outputs, self._state = message
+                queues = self._queues
                 for output in outputs:  # a RequestOutput, or an OutputDelta (a tuple that starts with the id)
-                    queue = self._queues.get(output.request_id if isinstance(output, RequestOutput) else output[0])
-                    if queue is not None:  # else its caller left, and its abort is on the way
-                        queue.put_nowait(output)
+                    if isinstance(output, RequestOutput):
+                        queue = queues.get(output.request_id)
+                        if queue is not None:  # else its caller left, and its abort is on the way
+                            queue.put_nowait(output)
+                    else:
+                        queue = queues.get(output[0])
+                        if queue is not None:  # built here, on the newest output: the caller may skip some
+                            queue.put_nowait(apply_delta(queue.newest, output))
             elif kind == "dead":
                 self._die(f"a step raised {message[1]} (the traceback is in the engine core's log)")
                 return
@@ -264,14 +272,12 @@ class EngineCoreClient(RequestQueues):
         # One write, not awaited: from here the core has it (or is dead, and says so).
         self._send(("add", request_id, prompt_token_ids, sampling_params, prompt))
         finished = False
-        output = None
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+                output = await queue.get()
+                if isinstance(output, BaseException):
                     finished = True  # nothing left to abort: the engine is gone
-                    raise item
-                output = item if isinstance(item, RequestOutput) else apply_delta(output, item)
+                    raise output
                 finished = output.finished
                 if output.error is not None:
                     raise RequestFailedError(output.error)

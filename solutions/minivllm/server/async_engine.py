@@ -16,7 +16,9 @@ serves them all with one model and one KV pool:
 - **one loop task** submits ``step()`` to that thread again and again while there is work,
   and sleeps on an event when there is none;
 - **one queue per request**: the loop routes each ``RequestOutput`` to its request's queue;
-  ``generate()`` is an async iterator over that queue;
+  ``generate()`` is an async iterator over that queue (which keeps only the newest output:
+  they are cumulative, so a caller that falls behind skips nothing it needs, see
+  ``OutputQueue``);
 - **leaving aborts**: when the caller stops iterating before the end (a client that
   disconnects), ``generate()`` queues ``abort_request``, which frees the request's blocks.
 
@@ -66,22 +68,62 @@ class EngineState:
     num_aborted: int  # requests aborted before they finished (clients that left)
 
 
+class OutputQueue:
+    """One request's outputs, from the engine's loop to the request's one reader: a queue
+    that holds the newest output only. Outputs are cumulative (each holds all the text and
+    tokens so far), so a reader that was busy while several arrived (a server behind its
+    streams, under load) takes the newest and has lost nothing: one event carries all their
+    tokens, and the server catches up instead of paying for every step it is behind (vLLM's
+    ``RequestOutputCollector`` merges the same way). A reader that keeps up gets every
+    output. An error (the engine died) comes after the output that arrived before it."""
+
+    __slots__ = ("newest", "unread", "error", "_waiter")
+
+    def __init__(self):
+        self.newest: RequestOutput | None = None  # the last output put (read or not)
+        self.unread = False
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.newest, self.unread = item, True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The newest output not read yet, else the error; waits for one."""
+        while not self.unread and self.error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.unread:
+            self.unread = False
+            return self.newest
+        return self.error
+
+
 class RequestQueues:
     """What both engine handles (this one, and ``engine_client.EngineCoreClient`` for a core
     in its own process) do before a request goes to the engine: check it, and open the queue
     its outputs arrive in."""
 
-    _queues: dict[str, asyncio.Queue]
+    _queues: dict[str, OutputQueue]
 
     def _open(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-              request_id: str | None) -> tuple[str, asyncio.Queue]:
+              request_id: str | None) -> tuple[str, OutputQueue]:
         self.check_health()
         self.start()
         self.validate(prompt_token_ids, sampling_params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[request_id] = queue
         return request_id, queue
 
@@ -108,7 +150,7 @@ class AsyncLLMEngine(RequestQueues):
         # is per thread under OpenMP, so a new thread would otherwise take the default).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine",
                                             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs, in order
+        self._queues: dict[str, OutputQueue] = {}  # request id -> its newest output
         self._work: asyncio.Event | None = None  # set when a request arrives
         self._loop_task: asyncio.Task | None = None
         self.error: BaseException | None = None
@@ -244,8 +286,9 @@ class AsyncLLMEngine(RequestQueues):
         request_id: str | None = None,
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step that gives it a token; the last one
-        has ``finished=True``. Stop iterating early (or be cancelled) and the request is
+        """Yield the request's output after every step that gives it a token (the newest
+        only, if several arrived while the caller was busy); the last one has
+        ``finished=True``. Stop iterating early (or be cancelled) and the request is
         aborted. A bad prompt raises ValueError before anything is queued; a request the
         engine fails alone raises RequestFailedError, and one cut short by the engine's death
         EngineDeadError."""
