@@ -22,7 +22,15 @@ import triton.language as tl
 
 @functools.cache
 def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Hopper or later, and a Triton that can launch with PDL (3.4 and later; the package
+    allows older ones, which run the kernels without it)."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a Triton without the NVIDIA backend's options where we look: no PDL
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def pdl_options(x: torch.Tensor) -> dict:
