@@ -9,7 +9,7 @@ from torch import nn
 
 from minivllm.layers.activation import ActAndMul
 from minivllm.layers.linear import GateUpLinear, RowParallelLinear
-from minivllm.ops.linear import gated_linear
+from minivllm.ops.linear import gated_linear, gated_linear_fuses
 
 
 class GatedMLP(nn.Module):
@@ -20,6 +20,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # act_fn(gate_up_proj(x)), in one kernel where the op has one (a few rows on a GPU).
-        gate_up = self.gate_up_proj
-        return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, self.act_fn.activation))
+        gate_up, activation = self.gate_up_proj, self.act_fn.activation
+        if gated_linear_fuses(x, gate_up.bias, activation):
+            # The gate/up product ending in SwiGLU, one kernel (a few rows on a GPU); the
+            # modules' own path (and their hooks) everywhere else.
+            return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, activation))
+        return self.down_proj(self.act_fn(gate_up(x)))

@@ -28,10 +28,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def gated_linear_fuses(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> bool:
+    """Does gated_linear run as one kernel here (SwiGLU, no bias, a few rows on a GPU)?"""
+    return activation == "silu" and bias is None and _gemv_serves(x)
+
+
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation: str = "silu") -> torch.Tensor:
     """act(gate) * up where [gate | up] = x W^T (+ b), W holding the gate's rows then up's."""
-    if activation == "silu" and bias is None and _gemv_serves(x):
+    if gated_linear_fuses(x, bias, activation):
         from minivllm.kernels import gemv
 
         return gemv.gemv_silu_and_mul(x, weight)
