@@ -43,16 +43,21 @@ class Worker:
 
     def __init__(self, tokenizer_info_json: str):
         start = time.perf_counter()
-        to_child, self._child_in = os.pipe()  # (os.pipe's ends are not inherited by other children)
-        self._child_out, from_child = os.pipe()
+        self.lock = threading.Lock()  # (the pool's shutdown may kill it while its trial does too)
+        to_child, requests = os.pipe()  # (os.pipe's ends are not inherited by other children)
+        replies, from_child = os.pipe()
         try:
             self.process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=to_child,
                                             stdout=from_child, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        except BaseException:
+            os.close(requests)
+            os.close(replies)
+            raise
         finally:
             os.close(to_child)
             os.close(from_child)
-        self.requests = Connection(self._child_in, readable=False)
-        self.replies = Connection(self._child_out, writable=False)
+        self.requests = Connection(requests, readable=False)
+        self.replies = Connection(replies, writable=False)
         try:
             self.requests.send(tokenizer_info_json)
             if not self.replies.poll(START_TIMEOUT_S):
@@ -81,15 +86,19 @@ class Worker:
             raise WorkerDied(f"signal {-code}" if code < 0 else f"exit code {code}") from e
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.requests.close()
-        self.replies.close()
+        """End the process and close the pipes (again: a no-op)."""
+        with self.lock:
+            if self.requests.closed:
+                return
+            self.process.kill()
+            self.process.wait()
+            self.requests.close()
+            self.replies.close()
 
 
 class WorkerPool:
-    """Up to ``size`` workers, started when a trial needs one; each runs one trial at a time,
-    and a caller waits for one to be idle. Safe to use from several threads."""
+    """``size`` workers, started when the first trial needs one; each runs one trial at a
+    time, and a caller waits for one to be idle. Safe to use from several threads."""
 
     def __init__(self, tokenizer_info_json: str, size: int):
         self.tokenizer_info_json, self.size = tokenizer_info_json, size
@@ -128,7 +137,7 @@ class WorkerPool:
         """Kill every worker; a trial under way fails (WorkerDied), a later one raises."""
         with self.cond:
             self.closed = True
-            workers, self.idle = [*self.idle, *self.busy], []
+            workers, self.idle, self.busy = [*self.idle, *self.busy], [], set()
             self.cond.notify_all()
         for worker in workers:
             worker.kill()
@@ -146,6 +155,7 @@ class WorkerPool:
                     self.starting += 1
                     break
                 self.cond.wait()
+        self._fill()  # the others start beside this one: the next caller should not wait for a start
         worker = self._start()
         with self.cond:
             if self.closed:
@@ -167,17 +177,22 @@ class WorkerPool:
 
     def _lose(self, worker: Worker) -> None:
         """Kill ``worker`` and start another, off this thread: the caller's error goes back now,
-        and the next trial finds a worker ready."""
+        and the next trial finds a worker ready (or starting)."""
         worker.kill()
         with self.cond:
             self.busy.discard(worker)
             self.killed += 1
-            if self.closed or len(self.idle) + len(self.busy) + self.starting >= self.size:
-                return
-            self.starting += 1
-        threading.Thread(target=self._replace, name="minivllm-grammar-worker-start", daemon=True).start()
+        self._fill()
 
-    def _replace(self) -> None:
+    def _fill(self) -> None:
+        """Start, each on a thread of its own, as many workers as the pool lacks."""
+        with self.cond:
+            missing = 0 if self.closed else self.size - len(self.idle) - len(self.busy) - self.starting
+            self.starting += missing
+        for _ in range(missing):
+            threading.Thread(target=self._start_idle, name="minivllm-grammar-worker-start", daemon=True).start()
+
+    def _start_idle(self) -> None:
         try:
             worker = self._start()
         except Exception:  # (the next trial starts one itself, and raises what went wrong)
