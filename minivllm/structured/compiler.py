@@ -86,7 +86,7 @@ class GrammarCompiler:
         self.lock = threading.Lock()
         self.executor: ThreadPoolExecutor | None = None  # made at the first submit
         self.hits = self.misses = 0
-        self.compile_seconds: list[float] = []  # one entry per compile (a cache miss): trial and compile
+        self.compile_seconds: list[float] = []  # one entry per compile (a cache miss): see _compile
         self.json_filters: dict[bool, torch.Tensor] = {}  # see token_filter
         self.compile_timeout_s = compile_timeout_s
         # Started at the first trial; killed with this compiler, or at exit.
@@ -175,9 +175,8 @@ class GrammarCompiler:
 
     def _run(self, params: StructuredOutputsParams, future: Future) -> None:
         key = params.key
-        start = time.perf_counter()
         try:
-            compiled = self._compile(params)
+            compiled, seconds = self._compile(params)
         except BaseException as e:  # handed to every caller waiting on it
             with self.lock:
                 del self.compiling[key]
@@ -186,7 +185,7 @@ class GrammarCompiler:
         with self.lock:
             del self.compiling[key]
             self.misses += 1
-            self.compile_seconds.append(time.perf_counter() - start)
+            self.compile_seconds.append(seconds)
             self.cache[key] = compiled
             self.cached_bytes += compiled.memory_size_bytes
             # The newest always stays: the request that asked for it is about to use it.
@@ -196,26 +195,29 @@ class GrammarCompiler:
         future.set_result(compiled)
 
     def _compile(self, params: StructuredOutputsParams):
+        """The CompiledGrammar of ``params``, and the seconds its compiles took (the trial's and
+        this one's, without the wait for a worker)."""
         kind = params.kind
         if kind == "json":
             check_schema(parse_schema(params.json))
         method, args, kwargs = call = xgrammar_call(params)
-        if self.compile_timeout_s is not None:
-            self._trial(params, call, self.compile_timeout_s)
+        trial = self._trial(params, call, self.compile_timeout_s) if self.compile_timeout_s is not None else 0.0
+        start = time.perf_counter()
         try:
-            return getattr(self.compiler, method)(*args, **kwargs)
+            compiled = getattr(self.compiler, method)(*args, **kwargs)
         except RuntimeError as e:  # xgrammar's parse errors
             raise invalid(kind, str(e)) from None
+        return compiled, trial + time.perf_counter() - start
 
-    def _trial(self, params: StructuredOutputsParams, call: tuple, timeout_s: float) -> None:
-        """Compile ``call`` in a worker process; raise InvalidParameter if it takes longer than
-        ``timeout_s``, if xgrammar refuses it, or if it kills the worker. (Any other error the
-        compile here raises again.)"""
+    def _trial(self, params: StructuredOutputsParams, call: tuple, timeout_s: float) -> float:
+        """Compile ``call`` in a worker process (the seconds it took); raise InvalidParameter if
+        it takes longer than ``timeout_s``, if xgrammar refuses it, or if it kills the worker.
+        (Any other error the compile here raises again.)"""
         from minivllm.structured.compile_worker import CompileTimeout, WorkerDied
 
         kind, what = params.kind, DESCRIPTION[params.kind]
         try:
-            _, error = self.workers.trial(call, timeout_s)
+            seconds, error = self.workers.trial(call, timeout_s)
         except CompileTimeout:
             raise InvalidParameter(
                 f"SamplingParams.structured_outputs.{kind}: the {what} did not compile within the limit of "
@@ -226,6 +228,7 @@ class GrammarCompiler:
                                    f"the grammar compiler's process ended ({e})", "structured_outputs") from None
         if error is not None and error[0]:
             raise invalid(kind, error[1])
+        return seconds
 
 
 def xgrammar_call(params: StructuredOutputsParams) -> tuple[str, tuple, dict]:
