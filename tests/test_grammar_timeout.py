@@ -279,3 +279,12 @@ def test_the_server_answers_others_while_a_slow_grammar_runs_out_its_time(server
         assert plain.status_code == 200, plain.text
     finally:
         compiler.compile_timeout_s = COMPILE_TIMEOUT_S
+
+
+def test_a_worker_that_cannot_start_is_an_error_naming_it():
+    from minivllm.structured.compile_worker import WorkerPool
+
+    pool = WorkerPool("not a tokenizer's JSON", 1)
+    with pytest.raises(RuntimeError, match="a grammar compile worker failed to start"):
+        pool.trial(("compile_regex", ("[a-z]",), {}), LIMIT_S)
+    assert pool.starting == 0 and not pool.processes()

@@ -13,12 +13,13 @@ compile itself (10 s and 2.4 s against 3.2 s at Qwen's 151k vocabulary). A compi
 deterministic, so the caller compiles the spec again in its own process once a worker has
 shown that it ends in time; that costs twice the compile time of a spec that is not cached.
 
-A worker is this file run as a script (``python -P``: a fresh interpreter, so that nothing
-of the caller's ``__main__`` runs again in it, and no folder of the package on its path; it
-imports the standard library and xgrammar only). It reads requests on its stdin and answers
+A worker is this file run as a script in a fresh interpreter (``RUN_WORKER``; not
+multiprocessing's spawn, which would import the caller's ``__main__`` again, and run a script
+without a main guard a second time): it imports the standard library and xgrammar only. It reads requests on its stdin and answers
 on its stdout, pickled (``multiprocessing.connection`` framing); it exits when its stdin
 closes, or within ``PARENT_CHECK_S`` of its parent's death even in the middle of a compile.
 """
+import logging
 import os
 import subprocess
 import sys
@@ -26,8 +27,12 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+logger = logging.getLogger(__name__)
+
 START_TIMEOUT_S = 120.0  # for a worker to import xgrammar (and torch, which it imports) and read the vocabulary
 PARENT_CHECK_S = 1.0  # how often a worker looks whether its parent is still alive
+# A worker: this file run as a script, with neither the working folder nor this one on its path.
+RUN_WORKER = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 class CompileTimeout(Exception):
@@ -47,7 +52,7 @@ class Worker:
         to_child, requests = os.pipe()  # (os.pipe's ends are not inherited by other children)
         replies, from_child = os.pipe()
         try:
-            self.process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=to_child,
+            self.process = subprocess.Popen([sys.executable, "-c", RUN_WORKER, os.path.abspath(__file__)], stdin=to_child,
                                             stdout=from_child, env={**os.environ, "OMP_NUM_THREADS": "1"})
         except BaseException:
             os.close(requests)
@@ -158,6 +163,7 @@ class WorkerPool:
         self._fill()  # the others start beside this one: the next caller should not wait for a start
         worker = self._start()
         with self.cond:
+            self.starting -= 1
             if self.closed:
                 worker.kill()
                 raise RuntimeError("the grammar compiler has been shut down")
@@ -165,13 +171,15 @@ class WorkerPool:
             return worker
 
     def _start(self) -> Worker:
-        """A new worker (``starting`` counted it already)."""
+        """A new worker (``starting`` counted it; the caller counts it down once it is busy or
+        idle, here if it failed to start)."""
         try:
             worker = Worker(self.tokenizer_info_json)
-        finally:
+        except BaseException:
             with self.cond:
                 self.starting -= 1
                 self.cond.notify()
+            raise
         self.start_seconds.append(worker.start_seconds)
         return worker
 
@@ -195,9 +203,11 @@ class WorkerPool:
     def _start_idle(self) -> None:
         try:
             worker = self._start()
-        except Exception:  # (the next trial starts one itself, and raises what went wrong)
+        except Exception:  # (the next trial starts one itself, and raises what went wrong to its caller)
+            logger.exception("a grammar compile worker failed to start")
             return
         with self.cond:
+            self.starting -= 1
             if self.closed:
                 worker.kill()
                 return
