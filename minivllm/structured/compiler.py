@@ -100,7 +100,7 @@ class GrammarCompiler:
         with self.lock:
             executor, self.executor = self.executor, None
         if executor is not None:
-            executor.shutdown(wait=False)  # (what it holds fails at once: the workers are gone)
+            executor.shutdown(wait=False)  # (what it holds ends soon: a trial now fails at once)
 
     def token_filter(self, params: StructuredOutputsParams) -> "torch.Tensor | None":
         """For a JSON schema that needs it, the tokens that spell no control character (bytes
