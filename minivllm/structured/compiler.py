@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from minivllm.sampling_params import InvalidParameter
+from minivllm.structured.compile_worker import CompileTimeout, WorkerDied, WorkerPool
 from minivllm.structured.params import StructuredOutputsParams
 
 # Keywords xgrammar 0.2 accepts and does not enforce (checked by compiling schemas that use
@@ -71,8 +72,6 @@ class GrammarCompiler:
                  cache_size: int = CACHE_SIZE, cache_bytes: int = CACHE_BYTES,
                  compile_timeout_s: float | None = COMPILE_TIMEOUT_S):
         import xgrammar as xgr
-
-        from minivllm.structured.compile_worker import WorkerPool
 
         self.xgr = xgr
         self.vocab_size = vocab_size
@@ -214,17 +213,16 @@ class GrammarCompiler:
         """Compile ``call`` in a worker process (the seconds it took); raise InvalidParameter if
         it takes longer than ``timeout_s``, if xgrammar refuses it, or if it kills the worker.
         (Any other error the compile here raises again.)"""
-        from minivllm.structured.compile_worker import CompileTimeout, WorkerDied
-
         kind, what = params.kind, DESCRIPTION[params.kind]
         try:
             seconds, error = self.workers.trial(call, timeout_s)
         except CompileTimeout:
             raise InvalidParameter(
                 f"SamplingParams.structured_outputs.{kind}: the {what} did not compile within the limit of "
-                f"{timeout_s:g} s (compile_timeout_s), and was stopped: write a simpler one (fewer unbounded "
-                "repetitions side by side)", "structured_outputs") from None
+                f"{timeout_s:g} s (compile_timeout_s) and was stopped: simplify it", "structured_outputs") from None
         except WorkerDied as e:
+            if self.workers.closed:  # (killed by shutdown, not by the spec)
+                raise RuntimeError("the grammar compiler has been shut down") from None
             raise InvalidParameter(f"SamplingParams.structured_outputs.{kind}: the {what} could not be compiled: "
                                    f"the grammar compiler's process ended ({e})", "structured_outputs") from None
         if error is not None and error[0]:
