@@ -185,6 +185,12 @@ class LLMEngine:
                                                       self.eos_token_ids)
             return self._grammars
 
+    def _shutdown_grammars(self) -> None:
+        """End the grammar compiler's worker processes, if it was made."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.shutdown()
+
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -247,6 +253,7 @@ class LLMEngine:
         self.is_shut_down = True
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        self._shutdown_grammars()
         self.runner.shutdown()
         self.proposer = None  # a draft model's weights and cache go with it
 

@@ -14,20 +14,30 @@ say so than to return JSON that fails their validator.
 
 What a stranger's spec may cost is bounded: its size (``params.MAX_SPEC_CHARS``), a JSON
 schema's nesting (``MAX_SCHEMA_DEPTH``: compile time grows with the cube of the depth, 46 s
-for 900 levels in 22 kB), the compiles running at once (``COMPILE_THREADS``, each a thread
-that xgrammar's C++ runs on without the interpreter lock), and what the cache keeps: the
-least recently used grammars are dropped past ``cache_size`` grammars or ``cache_bytes``.
+for 900 levels in 22 kB), its compile time (``COMPILE_TIMEOUT_S``), the compiles running at
+once (``COMPILE_THREADS``, each a thread that xgrammar's C++ runs on without the interpreter
+lock), and what the cache keeps: the least recently used grammars are dropped past
+``cache_size`` grammars or ``cache_bytes``.
+
+Size does not bound time: an EBNF grammar of 1.8 kB (``[^"]*`` 300 times) takes over a
+minute with a 151k vocabulary, and xgrammar's compile cannot be interrupted. So a spec is
+first compiled on trial in a worker process (``compile_worker``), which is killed past
+``compile_timeout_s``: the request fails with InvalidParameter naming the limit, and the
+other compiles go on. A spec that compiled in time is compiled again here, for the grammar
+itself (the worker's result is dearer to bring back than to remake: see compile_worker).
 """
 import json
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from minivllm.sampling_params import InvalidParameter
+from minivllm.structured.compile_worker import CompileTimeout, WorkerDied, WorkerPool
 from minivllm.structured.params import StructuredOutputsParams
 
 # Keywords xgrammar 0.2 accepts and does not enforce (checked by compiling schemas that use
@@ -42,17 +52,25 @@ FILTERED_KEYWORDS = ("minLength", "maxLength", "pattern", "format", "patternProp
 MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other (real schemas nest a few; $ref recursion costs none)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 CACHE_BYTES = 512 * 2**20  # and at most this much of them (a grammar holds its token masks)
-COMPILE_THREADS = 2  # compiles at once (``submit``); more wait their turn
+COMPILE_THREADS = 2  # compiles at once (``submit``; also the worker processes); more wait their turn
+# A spec's trial compile is stopped past this. Big real specs take about 2 s with Qwen's 151k
+# vocabulary on a busy CPU (tool_choice="required" over 20 tools, 14 kB: 1.6 s; over 85, 61 kB:
+# 1.9 s; an object of 400 properties: 1.8 s); the limit leaves five times that, and holds a
+# worker no longer than a client would wait.
+COMPILE_TIMEOUT_S = 10.0
 
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer and vocabulary, and caches what it compiled. Safe to
     call from several threads (xgrammar's compiler is; the cache is guarded): ``compile``
     compiles on the caller's thread, ``submit`` on the compiler's own, and two callers who
-    ask for one spec at once share one compile."""
+    ask for one spec at once share one compile. Each compile is tried first in a worker
+    process, within ``compile_timeout_s`` (None: no trial and no limit); ``shutdown`` ends
+    the workers (so does the interpreter's exit, and their parent's death)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1,
-                 cache_size: int = CACHE_SIZE, cache_bytes: int = CACHE_BYTES):
+                 cache_size: int = CACHE_SIZE, cache_bytes: int = CACHE_BYTES,
+                 compile_timeout_s: float | None = COMPILE_TIMEOUT_S):
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -68,8 +86,20 @@ class GrammarCompiler:
         self.lock = threading.Lock()
         self.executor: ThreadPoolExecutor | None = None  # made at the first submit
         self.hits = self.misses = 0
-        self.compile_seconds: list[float] = []  # one entry per compile (a cache miss)
+        self.compile_seconds: list[float] = []  # one entry per compile (a cache miss): see _compile
         self.json_filters: dict[bool, torch.Tensor] = {}  # see token_filter
+        self.compile_timeout_s = compile_timeout_s
+        # Started at the first trial; killed with this compiler, or at exit.
+        self.workers = WorkerPool(self.tokenizer_info.serialize_json(), COMPILE_THREADS)
+        weakref.finalize(self, self.workers.shutdown)
+
+    def shutdown(self) -> None:
+        """End the worker processes. A compile under way or asked for later fails."""
+        self.workers.shutdown()
+        with self.lock:
+            executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)  # (what it holds ends soon: a trial now fails at once)
 
     def token_filter(self, params: StructuredOutputsParams) -> "torch.Tensor | None":
         """For a JSON schema that needs it, the tokens that spell no control character (bytes
@@ -145,9 +175,8 @@ class GrammarCompiler:
 
     def _run(self, params: StructuredOutputsParams, future: Future) -> None:
         key = params.key
-        start = time.perf_counter()
         try:
-            compiled = self._compile(params)
+            compiled, seconds = self._compile(params)
         except BaseException as e:  # handed to every caller waiting on it
             with self.lock:
                 del self.compiling[key]
@@ -156,7 +185,7 @@ class GrammarCompiler:
         with self.lock:
             del self.compiling[key]
             self.misses += 1
-            self.compile_seconds.append(time.perf_counter() - start)
+            self.compile_seconds.append(seconds)
             self.cache[key] = compiled
             self.cached_bytes += compiled.memory_size_bytes
             # The newest always stays: the request that asked for it is about to use it.
@@ -166,23 +195,59 @@ class GrammarCompiler:
         future.set_result(compiled)
 
     def _compile(self, params: StructuredOutputsParams):
+        """The CompiledGrammar of ``params``, and the seconds its compiles took (the trial's and
+        this one's, without the wait for a worker)."""
         kind = params.kind
-        any_whitespace = not params.disable_any_whitespace
+        if kind == "json":
+            check_schema(parse_schema(params.json))
+        method, args, kwargs = call = xgrammar_call(params)
+        trial = self._trial(params, call, self.compile_timeout_s) if self.compile_timeout_s is not None else 0.0
+        start = time.perf_counter()
         try:
-            if kind == "json":
-                schema = parse_schema(params.json)
-                check_schema(schema)
-                return self.compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(params.choice))
-            return self.compiler.compile_grammar(params.grammar)
+            compiled = getattr(self.compiler, method)(*args, **kwargs)
         except RuntimeError as e:  # xgrammar's parse errors
-            raise InvalidParameter(f"SamplingParams.structured_outputs.{kind}: invalid {DESCRIPTION[kind]}: "
-                                   f"{xgrammar_message(e)}", "structured_outputs") from None
+            raise invalid(kind, str(e)) from None
+        return compiled, trial + time.perf_counter() - start
+
+    def _trial(self, params: StructuredOutputsParams, call: tuple, timeout_s: float) -> float:
+        """Compile ``call`` in a worker process (the seconds it took); raise InvalidParameter if
+        it takes longer than ``timeout_s``, if xgrammar refuses it, or if it kills the worker.
+        (Any other error the compile here raises again.)"""
+        kind, what = params.kind, DESCRIPTION[params.kind]
+        try:
+            seconds, error = self.workers.trial(call, timeout_s)
+        except CompileTimeout:
+            raise InvalidParameter(
+                f"SamplingParams.structured_outputs.{kind}: the {what} did not compile within the limit of "
+                f"{timeout_s:g} s (compile_timeout_s) and was stopped: simplify it", "structured_outputs") from None
+        except WorkerDied as e:
+            if self.workers.closed:  # (killed by shutdown, not by the spec)
+                raise RuntimeError("the grammar compiler has been shut down") from None
+            raise InvalidParameter(f"SamplingParams.structured_outputs.{kind}: the {what} could not be compiled: "
+                                   f"the grammar compiler's process ended ({e})", "structured_outputs") from None
+        if error is not None and error[0]:
+            raise invalid(kind, error[1])
+        return seconds
+
+
+def xgrammar_call(params: StructuredOutputsParams) -> tuple[str, tuple, dict]:
+    """The call of xgrammar's GrammarCompiler that compiles ``params``: (method, args, kwargs)."""
+    kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
+    if kind == "json":
+        return "compile_json_schema", (params.json,), {"any_whitespace": any_whitespace}
+    if kind == "json_object":
+        return "compile_json_schema", ('{"type": "object"}',), {"any_whitespace": any_whitespace}
+    if kind == "regex":
+        return "compile_regex", (params.regex,), {}
+    if kind == "choice":
+        return "compile_grammar", (choice_grammar(params.choice),), {}
+    return "compile_grammar", (params.grammar,), {}
+
+
+def invalid(kind: str, xgrammar_error: str) -> InvalidParameter:
+    return InvalidParameter(f"SamplingParams.structured_outputs.{kind}: invalid {DESCRIPTION[kind]}: "
+                            f"{xgrammar_message(xgrammar_error)}", "structured_outputs")
 
 
 def pack_bitmask(banned: list[int], vocab_size: int) -> torch.Tensor:
@@ -270,8 +335,7 @@ def unsupported(what: str) -> None:
                            "is not enforced by the grammar engine", "structured_outputs")
 
 
-def xgrammar_message(error: Exception) -> str:
+def xgrammar_message(error: str) -> str:
     """xgrammar's message without its log prefix ("[12:08:38] /project/cpp/x.cc:83: ")."""
-    text = str(error).strip()
-    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
-    return text.splitlines()[0] if text else type(error).__name__
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", error.strip())
+    return text.splitlines()[0] if text else "RuntimeError"
