@@ -235,6 +235,9 @@ class EngineCoreClient(RequestQueues):
         self._close_socket()
         await asyncio.to_thread(self._stop)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        with self._grammars_lock:  # this side's grammar checks have compile workers of their own
+            if self._grammars is not None:
+                self._grammars.shutdown()
 
     # -- requests ------------------------------------------------------------------------
 
