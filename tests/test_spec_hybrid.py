@@ -282,3 +282,22 @@ def test_greedy_identical_on_gpu(tmp_path, family):
     same_outputs(want, got, logprob_tol=1e-3)
     assert set(spec.engine.proposer.lengths) == set(range(5))
     assert spec.engine.runner.graphs, "decode steps did not run on CUDA graphs"
+
+
+def test_state_pools_that_do_not_fit_are_a_clear_error(tmp_path):
+    """The pools' size is what allocate_state_pools allocates; more than the free memory is a
+    ValueError naming the settings to lower, before anything is allocated."""
+    from minivllm.engine.state_pool import check_state_pools_fit, state_layers, state_slot_bytes
+    from minivllm.loader import load_model
+
+    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=6)
+    layers = state_layers(load_model(str(path), dtype=torch.float32, device="cpu"))
+    for k in (0, 3):
+        assert state_slot_bytes(layers, torch.float32, k) == allocate_state_pools(layers, 2, torch.float32, "cpu", k)
+    slot = state_slot_bytes(layers, torch.float32, 3)
+    check_state_pools_fit(slot, 8, free_bytes=8 * slot, num_spec_states=3)  # exactly fits
+    with pytest.raises(ValueError, match=r"max_num_seqs=8 .*num_speculative_tokens=3.*lower max_num_seqs or "
+                                         r"num_speculative_tokens"):
+        check_state_pools_fit(slot, 8, free_bytes=8 * slot - 1, num_spec_states=3)
+    with pytest.raises(ValueError, match=r"lower max_num_seqs$"):
+        check_state_pools_fit(slot, 8, free_bytes=0)

@@ -21,6 +21,7 @@ state after each of the sequence's first d tokens; when the target accepts a < d
 ``keep_accepted_states`` copies entry a (the state after the last token it kept) into the
 slot. Nothing is recomputed, and the cost is k more states per slot of memory.
 """
+import math
 from collections import deque
 
 import numpy as np
@@ -34,6 +35,28 @@ from minivllm.layers.gated_deltanet import GatedDeltaNet
 
 def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
     return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def state_slot_bytes(layers: list[GatedDeltaNet], dtype: torch.dtype, num_spec_states: int = 0) -> int:
+    """The bytes one slot takes in every layer's pools (allocate_state_pools' layout)."""
+    per_state = 0
+    for layer in layers:
+        conv_shape, recurrent_shape = layer.state_shapes()
+        per_state += math.prod(conv_shape) * dtype.itemsize + math.prod(recurrent_shape) * 4  # float32
+    return per_state * (1 + num_spec_states)
+
+
+def check_state_pools_fit(slot_bytes: int, num_slots: int, free_bytes: int, num_spec_states: int = 0) -> None:
+    """A clear error, before any allocation, when the state pools alone would not fit in the
+    device's free memory (a large hybrid model at a large max_num_seqs, more so with
+    speculation's k extra states per slot), instead of the allocator's out-of-memory error."""
+    need = slot_bytes * num_slots
+    if need > free_bytes:
+        spec = f" x (1 + num_speculative_tokens={num_spec_states}) states each" if num_spec_states else ""
+        lower = "max_num_seqs or num_speculative_tokens" if num_spec_states else "max_num_seqs"
+        raise ValueError(f"the recurrent-state pools need {need / 2**30:.2f} GiB (max_num_seqs={num_slots} slots"
+                         f"{spec}, {slot_bytes / 2**20:.1f} MiB a slot) but {free_bytes / 2**30:.2f} GiB of device "
+                         f"memory is free: lower {lower}")
 
 
 def allocate_state_pools(layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device,
