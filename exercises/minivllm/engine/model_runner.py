@@ -30,7 +30,8 @@ from minivllm.config import EngineConfig
 from minivllm.context import get_context, reset_context, set_context
 from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
 from minivllm.engine.scheduler import ScheduledBatch
-from minivllm.engine.state_pool import allocate_state_pools, keep_accepted_states, state_layers, state_metadata
+from minivllm.engine.state_pool import (allocate_state_pools, check_state_pools_fit, keep_accepted_states,
+                                        state_layers, state_metadata, state_slot_bytes)
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
@@ -154,6 +155,9 @@ class ModelRunner:
         self.num_state_slots = config.max_num_seqs if self.state_layers else 0
         # Speculative decoding keeps k more states per slot, to roll a rejection back to.
         num_spec_states = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        if self.state_layers and self.device.type == "cuda":
+            check_state_pools_fit(state_slot_bytes(self.state_layers, config.dtype, num_spec_states),
+                                  self.num_state_slots, torch.cuda.mem_get_info(self.device)[0], num_spec_states)
         self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device,
                                                      num_spec_states)
         self.num_kv_blocks = self._allocate_kv_cache()
