@@ -46,7 +46,7 @@ from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.loader import load_model
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.draft_cache import CacheState, DraftCache
+from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_drafts
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -116,12 +116,7 @@ class DraftModelProposer(DraftCache):
             states = [r[1] for r in rows[:n]]
             positions = [seqs[i].num_tokens + j - 1 for i, _, _, _ in rows[:n]]
             tokens.append(self._forward(states, positions, [1] * n, tokens[-1][:n]))
-        host = torch.cat(tokens).tolist()
-        offset = 0
-        for t in tokens:
-            for r, token in zip(rows, host[offset : offset + len(t)]):
-                drafts[r[0]].append(token)
-            offset += len(t)
+        hand_out_drafts(tokens, rows, drafts)
         for i, state, _, k in rows:
             state.num_cached = seqs[i].num_tokens
             state.fed_drafts = drafts[i][: k - 1]

@@ -21,6 +21,18 @@ from minivllm.layers.attention import Attention
 if TYPE_CHECKING:
     from minivllm.engine.sequence import Sequence
 
+def hand_out_drafts(tokens: list[torch.Tensor], rows: list[tuple], drafts: list[list[int]]) -> None:
+    """Append each drafting round's tokens to the drafts of the rows it ran, in one copy to
+    the host for all rounds: round j's tensor holds a token for the first len(tokens[j]) of
+    ``rows`` (those still drafting), and a row's first field is its index in ``drafts``."""
+    host = torch.cat(tokens).tolist()
+    offset = 0
+    for t in tokens:
+        for row, token in zip(rows, host[offset : offset + len(t)]):
+            drafts[row[0]].append(token)
+        offset += len(t)
+
+
 # Each field of a pass's metadata starts at a multiple of this many int64s (128 bytes).
 FIELD_ALIGN = 16
 

@@ -50,7 +50,7 @@ from minivllm.layers.attention import attention_layers
 from minivllm.loader import MTP_PREFIX, load_weights
 from minivllm.models.registry import get_model_class
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.draft_cache import CacheState, DraftCache
+from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_drafts
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -137,12 +137,7 @@ class MTPProposer(DraftCache):
                 finally:
                     reset_context()
                 tokens.append(self._argmax(hidden))
-            host = torch.cat(tokens).tolist()
-            offset = 0
-            for t in tokens:
-                for r, token in zip(rows, host[offset : offset + len(t)]):
-                    drafts[r[0]].append(token)
-                offset += len(t)
+            hand_out_drafts(tokens, rows, drafts)
             for _, state, _, _ in rows:  # the drafts' keys and values are never read: their blocks go back
                 self._fit(state, state.num_cached)
         return drafts
