@@ -1,14 +1,19 @@
 #!/usr/bin/env python
 """What verifying k drafts costs against one decode step (chapter 19), on the model runner's
-real path: Qwen3-0.6B's shapes (random weights, bf16), one sequence with ``--context``
-tokens in the cache, then a step of 1 + k new tokens (the last token and k drafts) for
-k = 0 (a decode step: its CUDA graph) .. ``--max-k`` (a one-sequence chunk: the prefill
-graph of the next captured size, or eager with --enforce-eager). The forward pass and the LM
-head over the 1 + k rows are timed; sampling is left out (it is the same small kernel for
-either). Speculation at batch 1 pays when the accepted length per step, 1 + accepted drafts,
-exceeds the ratio printed here.
+real path: Qwen3-0.6B's shapes (random weights, bf16), ``--batch-sizes`` sequences each with
+``--context`` tokens in the cache, then a step of 1 + k new tokens per sequence (its last
+token and k drafts) for k in ``--k``, against a decode step of the same sequences. Each k
+gets an engine built for it (speculative_config with num_speculative_tokens=k), so that the
+verifying steps replay the verify graphs a real run replays (eager with --enforce-eager);
+a decode step replays its decode graph. The forward pass and the LM head over the rows are
+timed; sampling is left out (the same small kernels for either). Speculation pays when a
+verifying step emits more tokens per sequence (1 + accepted drafts) than the ratio printed
+here; with ``--acceptance a`` (the chance that a draft is accepted, from a run on real
+text) it prints the speed-up that follows, (1 - a^(k+1)) / (1 - a) / ratio, proposer's
+cost left out.
 
-    python scripts/bench_verify_cost.py [--context 512] [--max-k 8] [--out benchmarks/verify_cost.json]
+    python scripts/bench_verify_cost.py [--context 512] [--k 1 2 3 4 6 8] [--batch-sizes 1 4 16 64]
+        [--acceptance 0.6] [--out benchmarks/verify_cost.json]
 """
 import argparse
 import json
@@ -22,14 +27,23 @@ from minivllm.bench.throughput import model_checkpoint
 from minivllm.engine.model_runner import ModelRunner, StepInputs
 
 
-def step_inputs(context: int, new: int, block_size: int) -> StepInputs:
+def step_inputs(context: int, new: int, block_size: int, num_seqs: int) -> StepInputs:
+    """num_seqs sequences of ``context`` cached tokens, each computing ``new`` more."""
     total = context + new
-    table = list(range(-(-total // block_size)))
-    positions = list(range(context, total))
-    fields = {"input_ids": [(7 * p) % 10000 for p in positions], "positions": positions,
-              "slot_mapping": [table[p // block_size] * block_size + p % block_size for p in positions],
-              "context_lens": [total], "cu_seqlens_q": [0, new], "logits_indices": list(range(new))}
-    return StepInputs.pack(fields, [table], is_prefill=new > 1, max_seqlen_q=new)
+    per_seq = -(-total // block_size)
+    fields = {name: [] for name in ("input_ids", "positions", "slot_mapping", "context_lens", "logits_indices")}
+    fields["cu_seqlens_q"], tables = [0], []
+    for i in range(num_seqs):
+        table = list(range(i * per_seq, (i + 1) * per_seq))
+        positions = list(range(context, total))
+        fields["input_ids"] += [(7 * p + i) % 10000 for p in positions]
+        fields["positions"] += positions
+        fields["slot_mapping"] += [table[p // block_size] * block_size + p % block_size for p in positions]
+        fields["context_lens"].append(total)
+        fields["logits_indices"] += range(fields["cu_seqlens_q"][-1], fields["cu_seqlens_q"][-1] + new)
+        fields["cu_seqlens_q"].append(fields["cu_seqlens_q"][-1] + new)
+        tables.append(table)
+    return StepInputs.pack(fields, tables, is_prefill=new > 1, max_seqlen_q=new)
 
 
 def sync() -> None:
@@ -37,38 +51,53 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def time_step(runner, step: StepInputs, repeats: int, rows: int) -> float:
+    """Seconds per forward pass and LM head of ``step``, whose logits have ``rows`` rows."""
+    for _ in range(5):  # warm-up
+        runner.execute(*ModelRunner.upload(runner, step))
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        logits, _ = runner.execute(*ModelRunner.upload(runner, step))
+    sync()
+    assert logits.shape[0] == rows
+    return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--max-k", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--acceptance", type=float, default=None, help="a draft's chance of acceptance, 0..1")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--model", default=None, help="default: Qwen3-0.6B's shapes, random weights")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model or str(model_checkpoint()), dtype="bfloat16", max_model_len=None if args.model else 4096,
-              enforce_eager=args.enforce_eager)
-    runner = llm.engine.runner
     rows = []
-    for k in range(args.max_k + 1):
-        step = step_inputs(args.context, 1 + k, runner.block_size)
-        for _ in range(10):  # warm-up
-            runner.execute(*ModelRunner.upload(runner, step))
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.repeats):
-            logits, _ = runner.execute(*ModelRunner.upload(runner, step))
-        sync()
-        seconds = (time.perf_counter() - start) / args.repeats
-        assert logits.shape[0] == 1 + k
-        rows.append({"k": k, "tokens": 1 + k, "seconds": seconds})
-    base = rows[0]["seconds"]
-    for r in rows:
-        r["cost_vs_decode"] = r["seconds"] / base
-        print(f"k={r['k']}: {r['seconds'] * 1e3:.3f} ms  ({r['cost_vs_decode']:.2f} x a decode step)", flush=True)
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": "random weights, Qwen3-0.6B shapes, bfloat16, batch 1",
-              "context": args.context, "enforce_eager": args.enforce_eager,
-              "prefill_graph_sizes": getattr(runner, "prefill_graph_sizes", []), "steps": rows}
+    for k in args.k:
+        llm = LLM(args.model or str(model_checkpoint()), dtype="bfloat16", max_model_len=None if args.model else 4096,
+                  enforce_eager=args.enforce_eager, async_scheduling=False, max_num_seqs=max(args.batch_sizes),
+                  speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        runner = llm.engine.runner
+        for bs in args.batch_sizes:
+            decode = time_step(runner, step_inputs(args.context, 1, runner.block_size, bs), args.repeats, bs)
+            verify = time_step(runner, step_inputs(args.context, 1 + k, runner.block_size, bs), args.repeats,
+                               bs * (1 + k))
+            row = {"k": k, "batch_size": bs, "decode_seconds": decode, "verify_seconds": verify,
+                   "cost_vs_decode": verify / decode}
+            line = f"k={k} batch {bs}: decode {decode * 1e3:.3f} ms, verify {verify * 1e3:.3f} ms ({verify / decode:.2f} x)"
+            if args.acceptance is not None:
+                a = args.acceptance
+                row["speedup_at_acceptance"] = (1 - a ** (k + 1)) / (1 - a) / row["cost_vs_decode"]
+                line += f", speed-up at acceptance {a}: {row['speedup_at_acceptance']:.2f}"
+            rows.append(row)
+            print(line, flush=True)
+        llm.shutdown()
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "model": "random weights, Qwen3-0.6B shapes, bfloat16", "context": args.context,
+              "enforce_eager": args.enforce_eager, "acceptance": args.acceptance, "steps": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

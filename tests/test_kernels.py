@@ -189,6 +189,42 @@ def test_paged_prefill_sliding_window_and_cached_prefix(switches, window):
                   config=dict(BLOCK_M=block_m, BLOCK_N=block_n, **switches), seed=2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)], ids=["group2", "group4", "group1"])
+def test_paged_prefill_verifying_step_with_padding(heads, kv_heads):
+    """A verifying step as its CUDA graph lays it out (ModelRunner._capture_verify_graphs):
+    sequences of 1 to 9 query tokens after contexts short and long, then padding sequences
+    with no queries and no keys, then padding rows that belong to no sequence. The default
+    tiles (on a GPU, the short-query ones: every query is at most SHORT_QUERY tokens) must
+    give the reference's rows and leave the padding rows unwritten (NaN)."""
+    from minivllm.kernels.paged_attention import SHORT_QUERY, paged_prefill_attention, prefill_config
+
+    if CUDA:
+        heads, kv_heads = 4 * heads, 4 * kv_heads
+    head_dim, block_size = (128, 16) if CUDA else (16, 4)
+    lens, q_lens = ([2048, 513, 9, 130], [9, 4, 1, 2]) if CUDA else ([40, 9, 3, 17], [5, 4, 1, 2])
+    assert max(q_lens) <= SHORT_QUERY
+    if CUDA:  # the short-query tiles are what this step gets
+        assert prefill_config(head_dim, heads // kv_heads, True, max(q_lens))["BLOCK_M"] * \
+            triton_next_power_of_2(heads // kv_heads) == 16
+    torch.manual_seed(4)
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    num_pad_seqs, padded_rows = 3, 10 * (len(lens) + 3)
+    q = torch.randn(padded_rows, heads, head_dim, device=DEVICE, dtype=DTYPE)
+    real = sum(q_lens)
+    cu = torch.tensor([0] + q_lens + [0] * num_pad_seqs).cumsum(0).to(device=DEVICE, dtype=torch.int64)
+    all_lens = torch.tensor(lens + [0] * num_pad_seqs, dtype=torch.int64, device=DEVICE)
+    all_tables = torch.cat([tables, torch.zeros(num_pad_seqs, tables.shape[1], dtype=tables.dtype, device=DEVICE)])
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, all_tables, all_lens, cu, 10, head_dim**-0.5, out=out)
+    assert not out[:real].isnan().any() and out[real:].isnan().all()
+    want = reference(q[:real], k_cache, v_cache, tables, lens, q_lens, head_dim**-0.5)
+    torch.testing.assert_close(out[:real].float(), want, **TOL)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def test_paged_prefill_rejects_bad_config_and_out():
     from minivllm.kernels.paged_attention import paged_prefill_attention
 

@@ -342,9 +342,10 @@ def test_penalised_requests_are_not_speculated(checkpoint):
 
 @pytest.mark.gpu
 def test_greedy_identical_on_gpu_with_cuda_graphs():
-    """On a GPU: decode steps replay CUDA graphs, verifying steps run eagerly; the outputs
-    must still be those of speculation off, token for token, on the bundled model (in
-    float32: in bfloat16 a verifying chunk and a decode step may round a near tie apart)."""
+    """On a GPU: decode steps replay CUDA graphs, verifying steps their verify graphs
+    (batches of up to 24 padded to the next captured size); the outputs must still be those
+    of speculation off, token for token, on the bundled model (in float32: in bfloat16 a
+    verifying chunk and a decode step may round a near tie apart)."""
     text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
             "must be in want of a wife. However little known the feelings or views of such a man may be on "
             "his first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding "
@@ -357,7 +358,9 @@ def test_greedy_identical_on_gpu_with_cuda_graphs():
     spec = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
                speculative_config=dict(NGRAM, num_speculative_tokens=4))
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
-    assert spec.engine.runner.graph_replays and sum(spec.engine.runner.graph_replays.values()) > 0
+    runner = spec.engine.runner
+    assert runner.graph_replays and sum(runner.graph_replays.values()) > 0
+    assert runner.verify_query_len == 5 and sum(n for bs, n in runner.verify_graph_replays.items() if bs > 1) > 0
     assert accepted(spec) > 0
 
 

@@ -409,7 +409,7 @@ def test_shipped_draft():
 @pytest.mark.gpu
 def test_greedy_identical_on_gpu(bundled_draft):
     """On a GPU the draft runs on the Triton attention kernels with its own pool, the
-    target's decode steps replay CUDA graphs and its verifying steps run eagerly; the
+    target's decode steps replay CUDA graphs and its verifying steps verify graphs; the
     outputs must still be those of speculation off, token for token (in float32: in
     bfloat16 a verifying chunk and a decode step may round a near tie apart)."""
     prompts = PASSAGES * 2 + ["Once upon a time"] * 4
@@ -420,6 +420,7 @@ def test_greedy_identical_on_gpu(bundled_draft):
     spec = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, speculative_config=draft(bundled_draft, 4))
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
     assert sum(spec.engine.runner.graph_replays.values()) > 0
+    assert sum(spec.engine.runner.verify_graph_replays.values()) > 0
     s = stats(spec)
     assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
     assert spec.engine.proposer.kv.is_cuda

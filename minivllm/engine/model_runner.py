@@ -7,7 +7,9 @@ hundred small kernels per step. A step that computes one sequence's prompt (or a
 it, or its drafts under speculative decoding) replays a prefill graph padded to the next
 captured token count: for a short prompt the launches cost far more than the GPU work
 (a 128-token prompt of Qwen3-0.6B: about 30 ms of host time for 1.4 ms of kernels on the
-H200). Other prefill steps, with several sequences or more tokens, run eagerly.
+H200). Under speculative decoding, a verifying step (each sequence its last token and at
+most k drafts) replays a verify graph captured per decode batch size. Other prefill steps,
+with several sequences or more tokens, run eagerly.
 
 The KV pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks, block_size,
 num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU the number
@@ -174,6 +176,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
         if self.device.type == "cuda":
@@ -448,6 +451,9 @@ class ModelRunner:
             # (A decode step has one token per sequence: tokens = sequences.)
             if not ctx.is_prefill and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
                 hidden = self._replay(input_ids, positions)
+            elif (ctx.is_prefill and self.verify_graphs and ctx.max_seqlen_q <= self.verify_query_len
+                  and ctx.cu_seqlens_q.shape[0] - 1 <= self.verify_graph_sizes[-1]):
+                hidden = self._replay_verify(input_ids, positions)
             elif (ctx.is_prefill and self.prefill_graphs and ctx.cu_seqlens_q.shape[0] == 2
                   and input_ids.shape[0] <= self.prefill_graph_sizes[-1]):
                 hidden = self._replay_prefill(input_ids, positions)
@@ -487,7 +493,8 @@ class ModelRunner:
         collector frees the model.)"""
         self.graphs.clear()
         self.prefill_graphs.clear()
-        self.static = self.prefill_static = self.kv_cache = self.model = self.layers = self.state_layers = None
+        self.verify_graphs.clear()
+        self.static = self.prefill_static = self.verify_static = self.kv_cache = self.model = self.layers = self.state_layers = None
         self.last_step = self.last_hidden = None
         gc.collect()
         if self.device.type == "cuda":
@@ -525,6 +532,8 @@ class ModelRunner:
         # every rank: those prefill eagerly.
         if not self.state_layers and get_tp_world_size() == 1:
             self._capture_prefill_graphs(pool)
+            if self.config.speculative is not None:
+                self._capture_verify_graphs(pool)
 
     def _capture_prefill_graphs(self, pool) -> None:
         """One graph per token count in PREFILL_GRAPH_TOKENS (up to the step budget), for a
@@ -557,6 +566,39 @@ class ModelRunner:
                         max_context_len=self.max_model_len)
             self.prefill_graphs[t] = self._capture(s, t, pool)
         self.prefill_graph_replays = dict.fromkeys(self.prefill_graph_sizes, 0)
+
+    def _capture_verify_graphs(self, pool) -> None:
+        """Speculative decoding: one graph per decode batch size (whose step fits the token
+        budget) for a verifying step, in which each sequence computes at most
+        verify_query_len = 1 + k tokens (its last token and up to k drafts). The step's
+        tokens are packed as an eager step's are and padded to batch size x (1 + k) rows; the
+        sequences past the real batch have no queries and no keys. Without these graphs a
+        batched verifying step launches every kernel from Python, as an eager prefill does."""
+        q = 1 + self.config.speculative.num_speculative_tokens
+        self.verify_query_len = q
+        self.verify_graph_sizes = [bs for bs in self.graph_sizes if bs * q <= self.config.max_num_batched_tokens]
+        if not self.verify_graph_sizes:
+            return
+        top = self.verify_graph_sizes[-1]
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        dev, i64 = self.device, torch.int64  # the dtypes of an eager step's fields: the same kernels
+        self.verify_static = s = {
+            "input_ids": torch.zeros(top * q, dtype=i64, device=dev),
+            "positions": torch.zeros(top * q, dtype=i64, device=dev),
+            "slot_mapping": torch.full((top * q,), -1, dtype=i64, device=dev),
+            "context_lens": torch.zeros(top, dtype=i64, device=dev),
+            "block_tables": torch.zeros(top, max_blocks, dtype=i64, device=dev),
+            "cu_seqlens_q": torch.zeros(top + 1, dtype=i64, device=dev),
+            "hidden": torch.zeros(top * q, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
+        }
+        for bs in reversed(self.verify_graph_sizes):
+            s["cu_seqlens_q"][: bs + 1] = torch.arange(bs + 1, device=dev) * q
+            s["context_lens"][:bs] = q
+            set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][: bs * q],
+                        context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs], max_seqlen_q=q,
+                        max_context_len=self.max_model_len)
+            self.verify_graphs[bs] = self._capture(s, bs * q, pool)
+        self.verify_graph_replays = dict.fromkeys(self.verify_graph_sizes, 0)
 
     def _capture(self, s: dict, n: int, pool) -> torch.cuda.CUDAGraph:
         """Run the model on the first n rows of the static inputs ``s`` once (Triton compiles
@@ -615,6 +657,24 @@ class ModelRunner:
         s["block_tables"][:, : ctx.block_tables.shape[1]] = ctx.block_tables
         self.prefill_graphs[t].replay()
         self.prefill_graph_replays[t] += 1
+        return s["hidden"][:n]
+
+
+    def _replay_verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx, s, q = get_context(), self.verify_static, self.verify_query_len
+        n, num_seqs = input_ids.shape[0], ctx.cu_seqlens_q.shape[0] - 1
+        bs = padded_batch_size(num_seqs, self.verify_graph_sizes)
+        s["input_ids"][:n] = input_ids
+        s["positions"][:n] = positions
+        s["slot_mapping"][:n] = ctx.slot_mapping
+        s["slot_mapping"][n : bs * q].fill_(-1)  # padding rows store nothing
+        s["context_lens"][:num_seqs] = ctx.context_lens
+        s["context_lens"][num_seqs:bs].fill_(0)
+        s["cu_seqlens_q"][: num_seqs + 1] = ctx.cu_seqlens_q
+        s["cu_seqlens_q"][num_seqs + 1 : bs + 1] = ctx.cu_seqlens_q[-1]  # padding sequences: no queries
+        s["block_tables"][:num_seqs, : ctx.block_tables.shape[1]] = ctx.block_tables
+        self.verify_graphs[bs].replay()
+        self.verify_graph_replays[bs] += 1
         return s["hidden"][:n]
 
 

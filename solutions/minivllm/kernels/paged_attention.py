@@ -350,18 +350,30 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-def prefill_config(head_dim: int, group: int, on_gpu: bool = True) -> dict:
+# The longest query (tokens of one sequence in a step) that gets the short-query tiles.
+SHORT_QUERY = 16
+
+
+def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q: int | None = None) -> dict:
     """Tile shape of the prefill kernel: BLOCK_M query positions (times the KV group's heads
     per tile), BLOCK_N keys per step, the launch's warps and pipeline stages, and three
     switches of the kernel (``PREFETCH``: block-table lookups one tile ahead; ``K_T``: keys
     loaded as [head_dim, keys]; ``PER_BLOCK``: one block id per cache block of a tile, not
     per key). On the GPU from scripts/tune_attention.py on an H200
     (benchmarks/attention_tuning.json); in the interpreter (CPU tests) small tiles, so that
-    short test sequences span several."""
+    short test sequences span several.
+
+    A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
+    verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
+    fewest ``tl.dot`` takes: a 128-row tile would hold a 4-token query's 8 rows and compute
+    120 rows of padding, against every key of the context."""
     block_g = triton.next_power_of_2(group)
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False}
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
+    if max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY:
+        return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
+                "num_stages": 2, **switches}
     if head_dim <= 128:
         # The sweep's choice on the H200 at 246aed1 (benchmarks/attention_tuning.json): 128
         # query rows per tile (positions x the group's heads), 128 keys per step, 8 warps, 3
@@ -411,7 +423,7 @@ def paged_prefill_attention(
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     num_seqs = cu_seqlens_q.shape[0] - 1
     group = num_heads // num_kv_heads
-    defaults = prefill_config(head_dim, group, q.is_cuda)
+    defaults = prefill_config(head_dim, group, q.is_cuda, max_seqlen_q)
     if config is not None and not set(config) <= set(defaults):
         raise ValueError(f"config keys must be among {sorted(defaults)}, got {sorted(config)}")
     config = {**defaults, **(config or {})}
