@@ -40,7 +40,7 @@ def prompts(kind: str, n: int, chars: int = 600) -> list[str]:
     text = CORPUS.read_text(encoding="utf-8")
     out = []
     for i in range(n):
-        start = text.index(" ", 200_000 + i * 97_003) + 1
+        start = text.index(" ", 200_000 + i * 97_003 % (len(text) - 200_000 - 2 * chars)) + 1  # wraps past the end
         passage = text[start : start + chars]
         out.append(passage + "\n\n" + passage[: chars // 2] if kind == "copy" else passage)
     return out

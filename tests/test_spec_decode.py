@@ -360,7 +360,7 @@ def test_greedy_identical_on_gpu_with_cuda_graphs():
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
     runner = spec.engine.runner
     assert runner.graph_replays and sum(runner.graph_replays.values()) > 0
-    assert runner.verify_query_len == 5 and sum(n for bs, n in runner.verify_graph_replays.items() if bs > 1) > 0
+    assert runner.verify_graphs.query_len == 5 and sum(n for bs, n in runner.verify_graphs.replays.items() if bs > 1) > 0
     assert accepted(spec) > 0
 
 

@@ -29,6 +29,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.context import get_context, reset_context, set_context
+from minivllm.cuda_graphs import PaddedGraphs
 from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.state_pool import (allocate_state_pools, check_state_pools_fit, keep_accepted_states,
@@ -180,7 +181,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: PaddedGraphs | None = None  # speculative decoding's verifying steps
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
         if self.device.type == "cuda":
@@ -451,9 +452,8 @@ class ModelRunner:
             # (A decode step has one token per sequence: tokens = sequences.)
             if not ctx.is_prefill and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
                 hidden = self._replay(input_ids, positions)
-            elif (ctx.is_prefill and self.verify_graphs and ctx.max_seqlen_q <= self.verify_query_len
-                  and ctx.cu_seqlens_q.shape[0] - 1 <= self.verify_graph_sizes[-1]):
-                hidden = self._replay_verify(input_ids, positions)
+            elif self.verify_graphs is not None and self.verify_graphs.serves(ctx):
+                hidden = self.verify_graphs.replay(input_ids, positions)[: input_ids.shape[0]]
             elif (ctx.is_prefill and self.prefill_graphs and ctx.cu_seqlens_q.shape[0] == 2
                   and input_ids.shape[0] <= self.prefill_graph_sizes[-1]):
                 hidden = self._replay_prefill(input_ids, positions)
@@ -493,8 +493,9 @@ class ModelRunner:
         collector frees the model.)"""
         self.graphs.clear()
         self.prefill_graphs.clear()
-        self.verify_graphs.clear()
-        self.static = self.prefill_static = self.verify_static = self.kv_cache = self.model = self.layers = self.state_layers = None
+        if self.verify_graphs is not None:
+            self.verify_graphs.clear()
+        self.static = self.prefill_static = self.kv_cache = self.model = self.layers = self.state_layers = None
         self.last_step = self.last_hidden = None
         gc.collect()
         if self.device.type == "cuda":
@@ -569,36 +570,15 @@ class ModelRunner:
 
     def _capture_verify_graphs(self, pool) -> None:
         """Speculative decoding: one graph per decode batch size (whose step fits the token
-        budget) for a verifying step, in which each sequence computes at most
-        verify_query_len = 1 + k tokens (its last token and up to k drafts). The step's
-        tokens are packed as an eager step's are and padded to batch size x (1 + k) rows; the
-        sequences past the real batch have no queries and no keys. Without these graphs a
+        budget) for a verifying step, in which each sequence computes at most 1 + k tokens
+        (its last token and up to k drafts), padded (minivllm.cuda_graphs). Without them a
         batched verifying step launches every kernel from Python, as an eager prefill does."""
         q = 1 + self.config.speculative.num_speculative_tokens
-        self.verify_query_len = q
-        self.verify_graph_sizes = [bs for bs in self.graph_sizes if bs * q <= self.config.max_num_batched_tokens]
-        if not self.verify_graph_sizes:
-            return
-        top = self.verify_graph_sizes[-1]
-        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-        dev, i64 = self.device, torch.int64  # the dtypes of an eager step's fields: the same kernels
-        self.verify_static = s = {
-            "input_ids": torch.zeros(top * q, dtype=i64, device=dev),
-            "positions": torch.zeros(top * q, dtype=i64, device=dev),
-            "slot_mapping": torch.full((top * q,), -1, dtype=i64, device=dev),
-            "context_lens": torch.zeros(top, dtype=i64, device=dev),
-            "block_tables": torch.zeros(top, max_blocks, dtype=i64, device=dev),
-            "cu_seqlens_q": torch.zeros(top + 1, dtype=i64, device=dev),
-            "hidden": torch.zeros(top * q, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
-        }
-        for bs in reversed(self.verify_graph_sizes):
-            s["cu_seqlens_q"][: bs + 1] = torch.arange(bs + 1, device=dev) * q
-            s["context_lens"][:bs] = q
-            set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][: bs * q],
-                        context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs], max_seqlen_q=q,
-                        max_context_len=self.max_model_len)
-            self.verify_graphs[bs] = self._capture(s, bs * q, pool)
-        self.verify_graph_replays = dict.fromkeys(self.verify_graph_sizes, 0)
+        sizes = [bs for bs in self.graph_sizes if bs * q <= self.config.max_num_batched_tokens]
+        if sizes:
+            max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+            self.verify_graphs = PaddedGraphs(sizes, q, max_blocks, self.device)
+            self.verify_graphs.capture(self.model, self.max_model_len, pool)
 
     def _capture(self, s: dict, n: int, pool) -> torch.cuda.CUDAGraph:
         """Run the model on the first n rows of the static inputs ``s`` once (Triton compiles
@@ -657,24 +637,6 @@ class ModelRunner:
         s["block_tables"][:, : ctx.block_tables.shape[1]] = ctx.block_tables
         self.prefill_graphs[t].replay()
         self.prefill_graph_replays[t] += 1
-        return s["hidden"][:n]
-
-
-    def _replay_verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ctx, s, q = get_context(), self.verify_static, self.verify_query_len
-        n, num_seqs = input_ids.shape[0], ctx.cu_seqlens_q.shape[0] - 1
-        bs = padded_batch_size(num_seqs, self.verify_graph_sizes)
-        s["input_ids"][:n] = input_ids
-        s["positions"][:n] = positions
-        s["slot_mapping"][:n] = ctx.slot_mapping
-        s["slot_mapping"][n : bs * q].fill_(-1)  # padding rows store nothing
-        s["context_lens"][:num_seqs] = ctx.context_lens
-        s["context_lens"][num_seqs:bs].fill_(0)
-        s["cu_seqlens_q"][: num_seqs + 1] = ctx.cu_seqlens_q
-        s["cu_seqlens_q"][num_seqs + 1 : bs + 1] = ctx.cu_seqlens_q[-1]  # padding sequences: no queries
-        s["block_tables"][:num_seqs, : ctx.block_tables.shape[1]] = ctx.block_tables
-        self.verify_graphs[bs].replay()
-        self.verify_graph_replays[bs] += 1
         return s["hidden"][:n]
 
 
