@@ -25,10 +25,22 @@ LAYERS = 28
 
 
 def configs(rows: int, gated: bool = False) -> list[dict]:
-    """The shapes swept: one row (the sum-of-products path) may take column blocks below 16."""
-    block_ns = ((4, 8, 16) if gated else (4, 8, 16, 32)) if rows == 1 else ((16, 32) if gated else (16, 32, 64))
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
-            for bn, bk, w, s in itertools.product(block_ns, (256, 512, 1024), (4, 8), (2, 3))]
+    """The shapes swept: the sum-of-products path (DOT False, up to 8 rows) may take column
+    blocks below 16; the tensor-core path (from 2 rows) takes 16 and more."""
+    out = []
+    if rows == 1:
+        block_ns = (4, 8, 16) if gated else (4, 8, 16, 32)
+        out += [{"DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
+                for bn, bk, w, s in itertools.product(block_ns, (256, 512, 1024), (4, 8), (2, 3))]
+    elif rows <= 8:  # both paths, the sum path's K steps shorter (its products are rows x wider)
+        out += [{"DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
+                for bn, bk, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (2, 3))]
+    if rows > 1:
+        block_ns = (16, 32) if gated else (16, 32, 64)
+        out += [{"DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
+                for bn, bk, w, s in itertools.product(block_ns, (256, 512) if rows <= 8 else (256, 512, 1024),
+                                                      (4, 8) if rows > 8 else (4,), (2, 3) if rows > 8 else (3,))]
+    return out
 
 
 def chain_seconds(fn, weights, x) -> float:

@@ -317,10 +317,12 @@ def test_qk_norm_rope(with_norm):
     torch.testing.assert_close(k_out.float(), apply_rotary(k_ref, cos, sin), **tol)
 
 
-# One row takes the sum-of-products path (blocks narrower than 16 allowed), more rows the tensor cores.
-@pytest.mark.parametrize("rows,block_n", [(1, 4), (1, 16), (1, 64), (3, 16), (16, 16), (16, 64)])
+# Up to SUM_ROWS rows take the sum-of-products path by default (blocks narrower than 16
+# allowed), more rows the tensor cores; DOT picks either (the sum path up to 8 rows).
+@pytest.mark.parametrize("rows,block_n,dot", [(1, 4, None), (1, 16, None), (1, 64, None), (3, 16, None), (4, 4, None),
+                                              (3, 16, True), (8, 8, False), (16, 16, None), (16, 64, None)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv(rows, block_n, with_bias):
+def test_gemv(rows, block_n, dot, with_bias):
     from minivllm.kernels.gemv import gemv
 
     # Shapes that are not multiples of the blocks, so every mask matters.
@@ -329,6 +331,8 @@ def test_gemv(rows, block_n, with_bias):
     w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5
     b = torch.randn(n, device=DEVICE, dtype=DTYPE) if with_bias else None
     config = {"BLOCK_N": block_n, "BLOCK_K": 64 if not CUDA else 256, "num_warps": 4, "num_stages": 2}
+    if dot is not None:
+        config["DOT"] = dot
     out = gemv(x, w, b, **config)
     assert out.shape == (rows, n) and out.dtype == x.dtype
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
@@ -337,7 +341,19 @@ def test_gemv(rows, block_n, with_bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, **TOL)
 
 
-@pytest.mark.parametrize("rows,block_n,block_k", [(1, 4, 64), (1, 16, 128), (5, 16, 64), (16, 32, 128)])
+def test_gemv_rejects_a_path_its_rows_or_blocks_do_not_fit():
+    from minivllm.kernels.gemv import gemv
+
+    w = torch.randn(40, 64, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="DOT=False"):
+        gemv(torch.randn(9, 64, device=DEVICE, dtype=DTYPE), w, DOT=False, BLOCK_N=4, BLOCK_K=64)
+    with pytest.raises(ValueError, match="BLOCK_N >= 16"):
+        gemv(torch.randn(2, 64, device=DEVICE, dtype=DTYPE), w, DOT=True, BLOCK_N=4, BLOCK_K=64)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(torch.randn(17, 64, device=DEVICE, dtype=DTYPE), w)
+
+
+@pytest.mark.parametrize("rows,block_n,block_k", [(1, 4, 64), (1, 16, 128), (3, 4, 64), (5, 16, 64), (16, 32, 128)])
 def test_gemv_silu_and_mul(rows, block_n, block_k):
     """The gate/up product ending in SwiGLU equals the two-kernel path it replaces."""
     from minivllm.kernels.gemv import gemv, gemv_silu_and_mul

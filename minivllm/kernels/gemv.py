@@ -7,10 +7,11 @@ General GEMM libraries tile for large M and reach only a fraction of the bandwid
 (measured in chapter 15); this kernel is shaped for the case instead. Each program owns
 BLOCK_N output columns and walks K in BLOCK_K steps; the few rows of x are padded to the
 16 that a tensor-core ``tl.dot`` needs (the padding costs no memory traffic, and the
-multiply is free next to the load). A single row (batch-1 decode) is multiplied without
-the tensor cores, as products summed along K: then a program may own fewer than 16
-columns, and a matrix of 1,024 columns is split over more programs than the 64 that
-16-column blocks give it (the H200 has 132 SMs). Many programs, each with several loads in
+multiply is free next to the load). One row (batch-1 decode), and up to SUM_ROWS rows of a
+narrow matrix (a verifying step of speculative decoding: its last token and a few drafts),
+are multiplied without the tensor cores, as products summed along K: then a program may
+own fewer than 16 columns, and a matrix of 1,024 columns is split over more programs than
+the 64 that 16-column blocks give it (the H200 has 132 SMs). Many programs, each with several loads in
 flight (``num_stages``), keep the bytes moving. K is not split across programs: that needs a
 zeroed float32 buffer and a cast, two more launches, and at these sizes (4-12 MB) a launch's
 fixed latency of a few microseconds is most of the time (benchmarks/README.md); chapter 15
@@ -32,17 +33,20 @@ from minivllm.kernels.common import dot_precision
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
+SUM_ROWS = 4  # up to this many rows, narrow matrices default to the sum-of-products path
 
 
 @triton.jit
 def _tile_product(x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed: [BLOCK_M, BLOCK_N] float32.
-    On the tensor cores (DOT: BLOCK_M >= 16, the rows padded), or for one row (BLOCK_M = 1)
-    as products summed along K, which lets a program own fewer than 16 columns."""
+    On the tensor cores (DOT: BLOCK_M >= 16, the rows padded), or for a few rows as products
+    summed along K, which lets a program own fewer than 16 columns."""
     if DOT:
         product = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    else:
+    elif x.shape[0] == 1:  # one row: [BLOCK_N, BLOCK_K] products, summed along K
         product = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    else:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, summed along K
+        product = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
     return product
 
 
@@ -94,22 +98,29 @@ def _gemv_kernel(
 def gemv_config(n: int, k: int, rows: int = 2) -> dict:
     """Block shape per matrix, from scripts/tune_gemv.py on an H200 (chains of 28 matrices
     read from HBM): narrow matrices take thin column blocks (more programs) and long K steps
-    (fewer loop trips). One row takes the sum-of-products path, whose blocks may be
-    narrower than the tensor cores' 16 (``_tile_product``)."""
+    (fewer loop trips). One row, and up to SUM_ROWS rows of a matrix narrower than 4,096
+    columns, take the sum-of-products path (``DOT``: False), whose blocks may be narrower
+    than the tensor cores' 16 (``_tile_product``)."""
     if rows == 1:
         # The sweep's best for every decode linear of Qwen3-0.6B and its LM head: 1,024-column
         # matrices went from 5.4-6.0 us to 2.9-3.8 us (benchmarks/gemv_tuning.json).
-        return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
+        return {"DOT": False, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
+    if rows <= SUM_ROWS and n < 4096:
+        # The sweep at 4 rows (benchmarks/gemv_tuning_rows4.json): o_proj 4.06 us and
+        # down_proj 5.78 us this way; the wider matrices were fastest on the tensor cores.
+        return {"DOT": False, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3}
     if n < 4096:
-        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+        return {"DOT": True, "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
+    return {"DOT": True, "BLOCK_N": 32 if n < 6144 else 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
 def gated_config(n: int, k: int, rows: int = 2) -> dict:
     """Block shape of gemv_silu_and_mul for n output columns (2n weight rows): half the
     column block of the [2n, k] matrix, since each program loads its columns twice."""
     config = gemv_config(2 * n, k, rows)
-    return {**config, "BLOCK_N": 8 if rows == 1 else max(16, config["BLOCK_N"] // 2)}
+    if not config["DOT"]:
+        return {**config, "BLOCK_N": 8 if rows == 1 else 4}
+    return {**config, "BLOCK_N": max(16, config["BLOCK_N"] // 2)}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,11 +132,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _launch(x, weight, bias, out, n, gated, config):
     m, k = x.shape
+    config = {"DOT": m > SUM_ROWS, **config}  # a config without DOT: the default path for m rows
+    if not config["DOT"] and m > 2 * SUM_ROWS:
+        raise ValueError(f"DOT=False (the sum-of-products path) takes at most {2 * SUM_ROWS} rows, got {m}")
+    if config["DOT"] and config["BLOCK_N"] < 16:
+        raise ValueError(f"DOT=True (the tensor cores) needs BLOCK_N >= 16, got {config['BLOCK_N']}")
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, DOT=m > 1, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=16 if m > 1 else 1, **pdl_options(x), **config,
+        HAS_BIAS=bias is not None, GATED=gated, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=16 if config["DOT"] else triton.next_power_of_2(m), **pdl_options(x), **config,
     )
     return out
 
