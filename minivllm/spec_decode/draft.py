@@ -33,12 +33,13 @@ one token per sequence; the drafts stay on the device until all k are made, so a
 two waits for the device whatever k. The passes run on the same attention ops as the
 target's, through the Context.
 
-CUDA graphs. Where the target replays graphs, so does the draft: per decode batch size, one
-graph of a decode pass and one of a catch-up pass in which each sequence feeds at most
-k + 1 tokens (what it gained in a step: its accepted drafts and the target's token), both
-padded (``minivllm.cuda_graphs``). A catch-up with more (a sequence seen for the first
-time) runs eagerly. A draft this small is all launches: on the H200 the bundled draft's
-three eager passes for k = 3 took 4.9 ms of a 6.0 ms step at batch 1.
+One copy, one graph. When every sequence feeds at most k + 1 tokens at the catch-up (what
+it gained in a step: its accepted drafts and the target's token), the whole proposal runs
+from one copy of its metadata (``minivllm.spec_decode.proposal``), and where the target
+replays CUDA graphs, as one graph per decode batch size. A catch-up with more (a sequence
+seen for the first time) runs pass by pass, eagerly. A draft this small is all launches:
+on the H200 the bundled draft's three eager passes for k = 3 took 4.9 ms of a 6.0 ms step
+at batch 1.
 """
 from __future__ import annotations
 
@@ -48,13 +49,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.context import get_context, reset_context
-from minivllm.cuda_graphs import PaddedGraphs
+from minivllm.context import reset_context
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.loader import load_model
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_drafts
+from minivllm.spec_decode.proposal import ProposalGraphs, ProposalLayout, fill_host, run_passes
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -97,26 +98,21 @@ class DraftModelProposer(DraftCache):
         self.max_tokens_per_forward = config.max_num_batched_tokens
         self.max_positions = self.model.config.max_position_embeddings
         self.num_speculative_tokens = spec.num_speculative_tokens
-        self.graphs: list[PaddedGraphs] = []  # a decode pass's, a catch-up pass's (see the module)
+        self.graphs: ProposalGraphs | None = None  # whole proposals, where the target has graphs
 
     def allocate(self, num_blocks: int, runner=None) -> None:
         """The pool (DraftCache.allocate), then, where the target ``runner`` replays CUDA
-        graphs, the draft's own: for its decode batch sizes, a decode pass and a catch-up of
-        up to k + 1 tokens per sequence."""
+        graphs, a captured proposal per decode batch size (see the module)."""
         super().allocate(num_blocks, runner)
-        for graphs in self.graphs:
-            graphs.clear()
-        self.graphs = []
+        self.graphs = None
         if runner is None or not runner.graphs:
             return
-        max_blocks = -(-runner.max_model_len // self.block_size)
-        pool = None
-        with torch.inference_mode():
-            for q in (1, 1 + self.num_speculative_tokens):
-                sizes = [bs for bs in runner.graph_sizes if bs * q <= self.max_tokens_per_forward]
-                if sizes:
-                    self.graphs.append(PaddedGraphs(sizes, q, max_blocks, self.device))
-                    pool = self.graphs[-1].capture(self._next_tokens, runner.max_model_len, pool)
+        k = self.num_speculative_tokens
+        sizes = [bs for bs in runner.graph_sizes if bs * (k + 1) <= self.max_tokens_per_forward]
+        if sizes:
+            self.graphs = ProposalGraphs(sizes, k, -(-runner.max_model_len // self.block_size), self.device)
+            with torch.inference_mode():
+                self.graphs.capture(self._next_tokens, runner.max_model_len, self.block_size)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
@@ -138,18 +134,40 @@ class DraftModelProposer(DraftCache):
         if not rows:
             return drafts
         rows.sort(key=lambda r: -r[3])  # largest k first: each decode pass runs a prefix of the rows
-        first = self._catch_up(seqs, rows)
-        tokens = [first]  # tokens[j][r]: draft j + 1 of row r (rows with k > j)
-        for j in range(1, rows[0][3]):
-            n = sum(1 for r in rows if r[3] > j)
-            states = [r[1] for r in rows[:n]]
-            positions = [seqs[i].num_tokens + j - 1 for i, _, _, _ in rows[:n]]
-            tokens.append(self._forward(states, positions, [1] * n, tokens[-1][:n]))
+        feeds = [seqs[i].num_tokens - start for i, _, start, _ in rows]
+        if max(feeds) <= 1 + self.num_speculative_tokens and sum(feeds) <= self.max_tokens_per_forward:
+            tokens = self._propose_at_once(seqs, rows)
+        else:
+            first = self._catch_up(seqs, rows)
+            tokens = [first]  # tokens[j][r]: draft j + 1 of row r (rows with k > j)
+            for j in range(1, rows[0][3]):
+                n = sum(1 for r in rows if r[3] > j)
+                states = [r[1] for r in rows[:n]]
+                positions = [seqs[i].num_tokens + j - 1 for i, _, _, _ in rows[:n]]
+                tokens.append(self._forward(states, positions, [1] * n, tokens[-1][:n]))
         hand_out_drafts(tokens, rows, drafts)
         for i, state, _, k in rows:
             state.num_cached = seqs[i].num_tokens
             state.fed_drafts = drafts[i][: k - 1]
         return drafts
+
+    def _propose_at_once(self, seqs: list[Sequence], rows: list[tuple]) -> list[torch.Tensor]:
+        """Every row's drafts from one copy of metadata (minivllm.spec_decode.proposal): in
+        a captured graph where one holds the rows, else pass by pass. Returns round j's
+        tokens for the rows still drafting in it, as ``hand_out_drafts`` takes them."""
+        k = rows[0][3]
+        feeds = [(seqs[i].token_ids[start:], start, state.block_table, rk) for i, state, start, rk in rows]
+        active = [sum(1 for r in rows if r[3] > j) for j in range(k)]
+        bs = self.graphs.size_for(len(rows)) if self.graphs is not None else None
+        if bs is not None:
+            out = self.graphs.replay(bs, fill_host(self.graphs.layouts[bs], feeds, self.block_size))
+        else:
+            layout = ProposalLayout(len(rows), sum(len(f[0]) for f in feeds), max(len(f[2]) for f in feeds), k)
+            views = layout.views(torch.from_numpy(fill_host(layout, feeds, self.block_size)).to(self.device))
+            out = torch.empty(k, len(rows), dtype=torch.long, device=self.device)
+            run_passes(self._next_tokens, views, layout, out, max(len(f[0]) for f in feeds),
+                       max(seqs[i].num_tokens for i, _, _, _ in rows) + k, active)
+        return [out[j, : active[j]] for j in range(k)]
 
     def _catch_up(self, seqs: list[Sequence], rows: list[tuple]) -> torch.Tensor:
         """Feed each row's sequence its tokens from the row's start; return the first draft
@@ -186,10 +204,6 @@ class DraftModelProposer(DraftCache):
         values in its blocks. Returns the argmax token after each row's last (device)."""
         positions = self.pass_context(states, starts, lengths)[0]
         try:
-            ctx = get_context()
-            for graphs in self.graphs:
-                if graphs.serves(ctx):  # a copy: the next replay writes over the graph's output
-                    return graphs.replay(input_ids, positions)[: len(states)].clone()
             return self._next_tokens(input_ids, positions)
         finally:
             reset_context()
