@@ -12,14 +12,18 @@ through the ordinary append path one by one (stop strings, EOS, max_tokens, logp
 the sequence's computed tokens and blocks are cut back past the rejected ones, whose KV
 lies beyond its end and is overwritten later.
 
-Limits of this first version: the engine runs the synchronous loop (the proposer needs the
-accepted tokens on the host before it schedules the next step); a verifying step has
-several tokens per sequence, so it is not a decode CUDA graph: on a GPU a step verifying
-one sequence replays the runner's prefill graph of 16 tokens (a hybrid model has none:
-eagerly), one with several sequences runs eagerly, and so do a draft model's or an MTP
-head's own passes; requests
-with penalties or bad words are not speculated (each draft row would need its own token
-history); tensor parallelism, n > 1, prompt_logprobs and structured outputs are refused.
+CUDA graphs: a verifying step has several tokens per sequence, so it is not a decode
+step; on a GPU it replays a verify graph (``minivllm.cuda_graphs``: per decode batch size,
+each sequence at most 1 + k tokens, padded), and a draft model's whole proposal is one
+graph too (``minivllm.spec_decode.proposal``). A hybrid model's verifying steps and an MTP
+head's passes run eagerly.
+
+Limits: the engine runs the synchronous loop. The next step's inputs (each sequence's
+positions, slots and tokens) depend on how many drafts this step accepts, and the n-gram
+proposer reads the accepted tokens on the host; overlapping would mean preparing a step
+before its shape is known. Requests with penalties or bad words are not speculated (each
+draft row would need its own token history); tensor parallelism, n > 1, prompt_logprobs
+and structured outputs are refused.
 
 Hybrid models (Gated DeltaNet layers) carry a recurrent state instead of a KV cache, and
 it cannot be cut back as a block table is: the verifying step keeps the state after each
