@@ -221,6 +221,58 @@ def test_paged_prefill_verifying_step_with_padding(heads, kv_heads):
     torch.testing.assert_close(out[:real].float(), want, **TOL)
 
 
+# Hopper's shared memory per block (the H200's 227 KB), which every default tile must fit.
+HOPPER_SHARED_BYTES = 232448
+
+# Compiles the prefill kernel for sm_90 with prefill_config's tiles and prints the shared
+# memory each needs; run in a process of its own, without the interpreter (conftest's
+# TRITON_INTERPRET), on any machine: Triton's compiler needs no GPU.
+SHARED_MEMORY_PROBE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from minivllm.kernels.paged_attention import _prefill_kernel, prefill_config
+out = []
+for dtype, head_dim, group, max_seqlen_q in json.loads(sys.argv[1]):
+    config = prefill_config(head_dim, group, True, max_seqlen_q, 4 if dtype == "fp32" else 2)
+    signature = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    signature.update({"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "cu_seqlens_ptr": "*i64", "scale": "fp32"})
+    signature.update({name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs",
+                                               "stride_ch", "stride_bt", "window")})
+    constexprs = {"GROUP": group, "BLOCK_G": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+                  "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                  **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    kernel = triton.compile(triton.compiler.ASTSource(fn=_prefill_kernel, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+    out.append([dtype, head_dim, group, max_seqlen_q, kernel.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+def test_prefill_defaults_fit_hopper_shared_memory():
+    """The prefill kernel's default tiles, compiled for sm_90, fit in a block's shared
+    memory, for half precision and float32, narrow and wide heads, long and short queries.
+    Float32 once took the half-precision tiles: 393 KB at head_dim 128, a launch that fails
+    on the GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [["fp32", 128, 2, None], ["fp32", 64, 4, None], ["fp32", 256, 8, None], ["fp32", 128, 2, 4],
+             ["bf16", 128, 2, None], ["bf16", 128, 8, None], ["bf16", 256, 8, None], ["bf16", 128, 2, 4]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SHARED_MEMORY_PROBE, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases)
+    for dtype, head_dim, group, max_seqlen_q, shared in results:
+        assert 0 < shared <= HOPPER_SHARED_BYTES, (dtype, head_dim, group, max_seqlen_q, shared)
+
+
 def triton_next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 

@@ -354,7 +354,8 @@ def _prefill_kernel(
 SHORT_QUERY = 16
 
 
-def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q: int | None = None) -> dict:
+def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q: int | None = None,
+                   itemsize: int = 2) -> dict:
     """Tile shape of the prefill kernel: BLOCK_M query positions (times the KV group's heads
     per tile), BLOCK_N keys per step, the launch's warps and pipeline stages, and three
     switches of the kernel (``PREFETCH``: block-table lookups one tile ahead; ``K_T``: keys
@@ -366,7 +367,11 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
     verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
     fewest ``tl.dot`` takes: a 128-row tile would hold a 4-token query's 8 rows and compute
-    120 rows of padding, against every key of the context."""
+    120 rows of padding, against every key of the context.
+
+    Float32 (``itemsize`` 4, the course's parity runs) takes the wide heads' smaller tiles:
+    the half-precision tiles' three stages of 128 keys would need 393 KB of shared memory
+    at head_dim 128 in float32, past the H200's 227 KB, and 230 KB at 64."""
     block_g = triton.next_power_of_2(group)
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False}
     if not on_gpu:
@@ -374,7 +379,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
                 "num_stages": 2, **switches}
-    if head_dim <= 128:
+    if head_dim <= 128 and itemsize <= 2:
         # The sweep's choice on the H200 at 246aed1 (benchmarks/attention_tuning.json): 128
         # query rows per tile (positions x the group's heads), 128 keys per step, 8 warps, 3
         # stages with the block-table lookup a tile ahead. Against the kernel before exp2 and
@@ -384,7 +389,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
         return {"BLOCK_M": max(16, 128 // block_g), "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, **switches}
     # Wider heads (Gemma's 256) keep the shape they were measured with: 64 rows, 32 keys,
     # 4 warps, 2 stages (a 128-row tile of 256 channels would not leave shared memory for
-    # three stages of K and V).
+    # three stages of K and V); so does float32.
     return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
             "PREFETCH": False, "K_T": False, "PER_BLOCK": False}
 
@@ -423,7 +428,7 @@ def paged_prefill_attention(
         raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     num_seqs = cu_seqlens_q.shape[0] - 1
     group = num_heads // num_kv_heads
-    defaults = prefill_config(head_dim, group, q.is_cuda, max_seqlen_q)
+    defaults = prefill_config(head_dim, group, q.is_cuda, max_seqlen_q, q.element_size())
     if config is not None and not set(config) <= set(defaults):
         raise ValueError(f"config keys must be among {sorted(defaults)}, got {sorted(config)}")
     config = {**defaults, **(config or {})}
