@@ -1,5 +1,6 @@
 """What several test modules check with, or ask of the model, defined once."""
 import collections
+import contextlib
 import random
 
 import pytest
@@ -66,3 +67,44 @@ class OracleProposer:
             self.lengths[wrong] += 1
             drafts.append(right)
         return drafts
+
+
+# -- the served tiny model (the server test modules) -----------------------------------
+
+SERVED_MODEL = "tiny-qwen3"  # the name clients ask for
+SERVED_KEY = "test-key"
+SERVED_ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
+
+
+def served_checkpoint(tmp_path_factory, name: str):
+    """The tiny Qwen3 (with a tokenizer) that the server tests serve and run offline."""
+    from minivllm.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(name), family="qwen3", seed=3, with_tokenizer=True)
+
+
+@contextlib.contextmanager
+def offline_engine(checkpoint):
+    """The offline LLM on the served checkpoint, one torch thread (as the server's)."""
+    from minivllm import LLM
+    from minivllm.testing import torch_threads
+
+    with torch_threads(1):
+        yield LLM(str(checkpoint), **SERVED_ENGINE)
+
+
+@contextlib.contextmanager
+def threaded_server(checkpoint, config=None, engine=None):
+    """The app on a thread of this process over ``engine`` (default: an AsyncLLMEngine on
+    the checkpoint, in this process), with ``config`` (default: the API key only); the
+    running server carries its engine as ``.engine``."""
+    from minivllm import LLM
+    from minivllm.server import AsyncLLMEngine
+    from minivllm.server.api import ServerConfig, ServerThread, build_app
+    from minivllm.testing import torch_threads
+
+    with torch_threads(1):
+        engine = engine if engine is not None else AsyncLLMEngine(LLM(str(checkpoint), **SERVED_ENGINE).engine)
+    with ServerThread(build_app(engine, SERVED_MODEL, config=config or ServerConfig(api_key=SERVED_KEY))) as running:
+        running.engine = engine
+        yield running

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.llm import BUNDLED_MODEL

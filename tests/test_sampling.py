@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 

@@ -18,36 +18,31 @@ import httpx
 import openai
 import pytest
 
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 from minivllm.server import AsyncLLMEngine
-from minivllm.server.api import ServerThread, build_app
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import torch_threads
+from shared import SERVED_ENGINE, SERVED_KEY, SERVED_MODEL, offline_engine, served_checkpoint, threaded_server
 
-MODEL = "tiny-qwen3"
-KEY = "test-key"
+MODEL, KEY, ENGINE = SERVED_MODEL, SERVED_KEY, SERVED_ENGINE
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "Prefix caching lets requests", "It was the best of"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("served"), family="qwen3", seed=3, with_tokenizer=True)
+    return served_checkpoint(tmp_path_factory, "served")
 
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    with torch_threads(1):
-        yield LLM(str(checkpoint), **ENGINE)
+    with offline_engine(checkpoint) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with torch_threads(1):
-        engine = AsyncLLMEngine(LLM(str(checkpoint), **ENGINE).engine)
-        with ServerThread(build_app(engine, MODEL, api_key=KEY)) as running:
-            running.engine = engine
-            yield running
+    with threaded_server(checkpoint) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -26,27 +26,26 @@ import pytest
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.server import AsyncLLMEngine
 from minivllm.server import api
-from minivllm.server.api import ServerThread, build_app
+from minivllm.server.api import ServerConfig, ServerThread, build_app
 from minivllm.server.async_engine import EngineDeadError
 from minivllm.server.engine_client import EngineCoreClient
-from minivllm.testing import ServeProcess, make_tiny_checkpoint, torch_threads
+from minivllm.testing import ServeProcess, torch_threads
+from shared import SERVED_ENGINE, SERVED_KEY, SERVED_MODEL, offline_engine, served_checkpoint, threaded_server
 
-MODEL = "tiny-qwen3"
-KEY = "test-key"
+MODEL, KEY, ENGINE = SERVED_MODEL, SERVED_KEY, SERVED_ENGINE
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "Prefix caching lets requests", "It was the best of"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("core"), family="qwen3", seed=3, with_tokenizer=True)
+    return served_checkpoint(tmp_path_factory, "core")
 
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    with torch_threads(1):
-        yield LLM(str(checkpoint), **ENGINE)
+    with offline_engine(checkpoint) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,7 @@ def core(checkpoint):
 def server(checkpoint):
     with torch_threads(1):
         client = EngineCoreClient(str(checkpoint), **ENGINE)
-    with ServerThread(build_app(client, MODEL, api_key=KEY)) as running:
-        running.engine = client
+    with threaded_server(checkpoint, ServerConfig(api_key=KEY), engine=client) as running:
         yield running
     client.process.join(30)
     assert client.process.exitcode == 0, "the lifespan's shutdown ends the core"

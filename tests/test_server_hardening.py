@@ -27,34 +27,30 @@ from minivllm.server import AsyncLLMEngine
 from minivllm.server import api
 from minivllm.server.api import ServerConfig, ServerThread, build_app
 from minivllm.server.async_engine import RequestFailedError
-from minivllm.testing import ServeProcess, make_tiny_checkpoint, torch_threads
+from minivllm.testing import ServeProcess, torch_threads
 from minivllm.tokenizer import encode_chat
+from shared import SERVED_ENGINE, SERVED_KEY, SERVED_MODEL, offline_engine, served_checkpoint, threaded_server
 
-MODEL = "tiny-qwen3"
-KEY = "test-key"
+MODEL, KEY, ENGINE = SERVED_MODEL, SERVED_KEY, SERVED_ENGINE
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hardened"), family="qwen3", seed=3, with_tokenizer=True)
+    return served_checkpoint(tmp_path_factory, "hardened")
 
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    with torch_threads(1):
-        yield LLM(str(checkpoint), **ENGINE)
+    with offline_engine(checkpoint) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with torch_threads(1):
-        engine = AsyncLLMEngine(LLM(str(checkpoint), **ENGINE).engine)
-        with ServerThread(build_app(engine, MODEL, config=ServerConfig(api_key=KEY, max_request_bytes=4 * 2**20))) as s:
-            s.engine = engine
-            yield s
+    with threaded_server(checkpoint, ServerConfig(api_key=KEY, max_request_bytes=4 * 2**20)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,14 @@ import time
 import httpx
 import pytest
 
-from minivllm import LLM, SamplingParams
-from minivllm.server.api import ServerThread, build_app
+from minivllm import SamplingParams
+from minivllm.server.api import ServerConfig
 from minivllm.server.async_engine import OutputQueue
 from minivllm.server.engine_client import EngineCoreClient
-from minivllm.testing import make_tiny_checkpoint, torch_threads
+from minivllm.testing import torch_threads
+from shared import SERVED_ENGINE, SERVED_MODEL, offline_engine, served_checkpoint, threaded_server
 
-MODEL = "tiny-qwen3"
-ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
+MODEL, ENGINE = SERVED_MODEL, SERVED_ENGINE
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "Prefix caching lets requests", "It was the best of"]
 
 
@@ -48,32 +48,33 @@ def test_an_output_queue_holds_the_newest_output_and_then_the_error():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("streams"), family="qwen3", seed=3, with_tokenizer=True)
+    return served_checkpoint(tmp_path_factory, "streams")
 
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    with torch_threads(1):
-        yield LLM(str(checkpoint), **ENGINE)
+    with offline_engine(checkpoint) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
     with torch_threads(1):
         client = EngineCoreClient(str(checkpoint), **ENGINE)
-    with ServerThread(build_app(client, MODEL)) as running:
-        running.engine = client
+    with threaded_server(checkpoint, ServerConfig(), engine=client) as running:
         yield running
 
 
 def stall(engine: EngineCoreClient, times: int, seconds: float, stop: threading.Event) -> None:
-    """Block the server's event loop ``times`` times (the core steps on meanwhile)."""
-    for _ in range(times):
-        if stop.wait(0.05):
-            return
+    """Block the server's event loop ``times`` times while requests are in flight (the core
+    steps on meanwhile). Counting only stalls with requests open keeps them inside the
+    streams on a slow or busy machine, where the requests may start late."""
+    done = 0
+    while done < times and not stop.wait(0.05):
         loop = engine._loop
-        if loop is not None:
+        if loop is not None and engine._queues:
             loop.call_soon_threadsafe(time.sleep, seconds)
+            done += 1
 
 
 async def read_stream(client: httpx.AsyncClient, url: str, path: str, body: dict) -> list:

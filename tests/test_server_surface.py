@@ -6,7 +6,6 @@ X-Request-Id header answer as vLLM's do; the checkpoint's generation_config.json
 defaults; the command line makes a flag of every EngineConfig field; a SentencePiece
 completion keeps its leading space.
 """
-import argparse
 import json
 import logging
 
@@ -19,11 +18,10 @@ from minivllm.server import AsyncLLMEngine
 from minivllm.server.api import ServerConfig, ServerThread, build_app
 from minivllm.testing import make_tiny_checkpoint, torch_threads
 from minivllm.tokenizer import IncrementalDetokenizer, encode_chat
+from shared import SERVED_ENGINE, SERVED_KEY, SERVED_MODEL, offline_engine, served_checkpoint, threaded_server
 
-MODEL = "tiny-qwen3"
-KEY = "test-key"
+MODEL, KEY, ENGINE = SERVED_MODEL, SERVED_KEY, SERVED_ENGINE
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ENGINE = dict(num_kv_blocks=512, block_size=8, max_num_seqs=64)
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "Prefix caching lets requests", "It was the best of"]
 # A template with a variable of its own, to see chat_template_kwargs arrive.
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -32,22 +30,19 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|i
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("surface"), family="qwen3", seed=3, with_tokenizer=True)
+    return served_checkpoint(tmp_path_factory, "surface")
 
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    with torch_threads(1):
-        yield LLM(str(checkpoint), **ENGINE)
+    with offline_engine(checkpoint) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with torch_threads(1):
-        engine = AsyncLLMEngine(LLM(str(checkpoint), **ENGINE).engine)
-        with ServerThread(build_app(engine, MODEL, config=ServerConfig(api_key=KEY, max_prompts=8))) as running:
-            running.engine = engine
-            yield running
+    with threaded_server(checkpoint, ServerConfig(api_key=KEY, max_prompts=8)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -611,7 +611,6 @@ def test_the_engines_masks_give_what_fresh_masks_give(async_scheduling):
     """The engine's bitmask (buffers kept, no mask when no grammar is live, the token filter
     only where it is needed) against the plainest one: a fresh tensor each step, each row
     filled alone, every JSON row ANDed with the filter. Same tokens, greedy and sampled."""
-    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.structured.compiler import FILTERED_KEYWORDS
 
     prompts, params = greedy_structured_workload()

@@ -96,7 +96,7 @@ def needs_processing(params: list[SamplingParams], history: TokenHistory | None)
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory | None) -> torch.Tensor:
     """Apply, in vLLM's order, allowed_token_ids, bad_words, logit_bias and the penalties."""
-    rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
+    vocab, device = logits.shape[-1], logits.device
     if not needs_processing(params, history):
         return logits
     use_allowed = any(p.allowed_token_ids for p in params)
