@@ -1,10 +1,10 @@
 """CUDA graphs of a pass over a padded batch of short sequences (chapter 19).
 
 A graph replays fixed kernels on fixed addresses, so a pass that is captured once per batch
-size must read everything about the step from static buffers. This is the shape shared by
-the model runner's verifying steps (each sequence its last token and up to k drafts) and a
-draft model's passes (one token per sequence, or the few it gained since its last
-proposal): up to ``batch size`` sequences, each computing at most ``query_len`` tokens.
+size must read everything about the step from static buffers. This is the shape of the
+model runner's verifying steps under speculative decoding (each sequence its last token and
+up to k drafts): up to ``batch size`` sequences, each computing at most ``query_len``
+tokens. (A draft model captures its whole proposal instead: ``spec_decode.proposal``.)
 
 Replaying, the step's tokens are packed as an eager step's are (``cu_seqlens_q``) and
 padded to batch size x query_len rows. The sequences past the real batch have no queries

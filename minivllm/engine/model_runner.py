@@ -4,10 +4,9 @@ runs the forward pass and samples.
 On a GPU, decode steps replay CUDA graphs captured once per batch size (the batch is
 padded up to the next captured size), which removes the CPU cost of launching a few
 hundred small kernels per step. A step that computes one sequence's prompt (or a chunk of
-it, or its drafts under speculative decoding) replays a prefill graph padded to the next
-captured token count: for a short prompt the launches cost far more than the GPU work
-(a 128-token prompt of Qwen3-0.6B: about 30 ms of host time for 1.4 ms of kernels on the
-H200). Under speculative decoding, a verifying step (each sequence its last token and at
+it) replays a prefill graph padded to the next captured token count: for a short prompt
+the launches cost far more than the GPU work (a 128-token prompt of Qwen3-0.6B: about 30
+ms of host time for 1.4 ms of kernels on the H200). Under speculative decoding, a verifying step (each sequence its last token and at
 most k drafts) replays a verify graph captured per decode batch size. Other prefill steps,
 with several sequences or more tokens, run eagerly.
 
