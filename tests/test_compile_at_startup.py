@@ -68,3 +68,11 @@ def test_a_run_compiles_nothing_after_startup(tiny_qwen3):
     with triton_compiles() as compiled:
         llm.generate(prompts, params, use_tqdm=False)
     assert compiled == [], f"{len(compiled)} kernels compiled inside the run: {compiled[:5]}"
+
+
+def test_startup_is_timed_by_phase(tiny_qwen3):
+    """``minivllm bench throughput`` reports where construction's time goes: on the CPU the
+    weights and the KV pool (no graphs to capture, nothing compiled ahead)."""
+    phases = LLM(str(tiny_qwen3)).engine.runner.startup_seconds
+    assert set(phases) == {"load_weights", "kv_cache"}
+    assert all(seconds > 0 for seconds in phases.values())
