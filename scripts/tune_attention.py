@@ -9,13 +9,15 @@ H200.
 
 Workloads, Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16, blocks of
 the engine's KV block size): 8 causal prompts of 1,000 tokens; 8 chunks of 512 tokens after
-3,000 cached tokens each (chunked prefill over a cached prefix); 64 prompts of 600 tokens.
+3,000 cached tokens each (chunked prefill over a cached prefix); 64 prompts of 600 tokens;
+one prompt of 4,096 (the longest time to first token that ``minivllm bench latency`` times).
+The kernel gets the step's own keys and values too, as the engine passes them (NEW_KV).
 FLOPs count only the visible (query, key) pairs: 4 * head_dim * heads per pair.
 
 Two phases, each compiled first in ``--jobs`` processes at once (Triton's cache is shared, so
 the timing process then only loads the binaries): the tile shapes (query rows = BLOCK_M x
 the group's heads, BLOCK_N, warps, stages) with the default switches; then, on the three
-best shapes, every other combination of the switches (PREFETCH, K_T, PER_BLOCK). A config
+best shapes, every other combination of the switches (PREFETCH, K_T, PER_BLOCK, NEW_KV). A config
 that does not compile or fit is listed under "skipped"; one that computes a wrong answer
 stops the run. Past ``--budget-s`` seconds no new config is started (the JSON says how many
 were left). ``--baseline`` times another version of the kernel module (e.g. an older
@@ -29,6 +31,7 @@ workload; the decode check (or sweep) under "decode".
 import argparse
 import concurrent.futures
 import importlib.util
+import inspect
 import itertools
 import json
 import multiprocessing
@@ -46,9 +49,10 @@ DEVICE = "cuda"
 BLOCK_G = triton.next_power_of_2(HEADS // KV_HEADS)
 WORKLOADS = {"8x1000 causal": ([1000] * 8, [1000] * 8),
              "8x512 after 3000 cached": ([3512] * 8, [512] * 8),
-             "64x600 causal": ([600] * 64, [600] * 64)}
+             "64x600 causal": ([600] * 64, [600] * 64),
+             "1x4096 causal": ([4096], [4096])}
 CACHED = "8x512 after 3000 cached"  # the workload that must not get slower
-SWITCH_NAMES = ("PREFETCH", "K_T", "PER_BLOCK")
+SWITCH_NAMES = ("PREFETCH", "K_T", "PER_BLOCK", "NEW_KV")
 
 
 def make_inputs(lens, q_lens, block_size, generator):
@@ -65,7 +69,17 @@ def make_inputs(lens, q_lens, block_size, generator):
         start += n
     q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=generator)
     cu = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE), cu
+    # The step's own keys and values (each sequence's last q_lens cached rows), as the model
+    # hands them over: strided views of one [tokens, q + k + v] projection.
+    qkv = torch.empty(sum(q_lens), HEADS + 2 * KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    row = 0
+    for b, (n, qn) in enumerate(zip(lens, q_lens)):
+        rows = tables[b, : -(-n // block_size)].long()
+        for cache, first in ((k_cache, HEADS), (v_cache, HEADS + KV_HEADS)):
+            qkv[row : row + qn, first : first + KV_HEADS] = cache[rows].reshape(-1, KV_HEADS, HEAD_DIM)[n - qn : n]
+        row += qn
+    k, v = qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE), cu, k, v
 
 
 def reference(q, k_cache, v_cache, tables, lens, q_lens):
@@ -90,8 +104,10 @@ def pairs(lens, q_lens):
 
 
 def run(module, inputs, max_q, config=None):
-    q, k_cache, v_cache, tables, lens, cu = inputs
+    q, k_cache, v_cache, tables, lens, cu, k, v = inputs
     kwargs = {"config": config} if config else {}
+    if "k" in inspect.signature(module.paged_prefill_attention).parameters:  # a baseline may predate NEW_KV
+        kwargs.update(k=k, v=v)
     return module.paged_prefill_attention(q, k_cache, v_cache, tables, lens, cu, max_q, HEAD_DIM**-0.5, **kwargs)
 
 
@@ -196,7 +212,7 @@ def decode_results(baseline, bandwidth, block_size, full_sweep, deadline):
     cases = {}
     for name, lens_gen in DECODE_WORKLOADS.items():
         lens = torch.randint(100, 2049, (256,), generator=lens_gen).tolist() if lens_gen else [2048] * 64
-        q, k_cache, v_cache, tables, lens_t, _ = make_inputs(lens, [1] * len(lens), block_size, generator)
+        q, k_cache, v_cache, tables, lens_t, *_ = make_inputs(lens, [1] * len(lens), block_size, generator)
         ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens))
         cases[name] = (q, k_cache, v_cache, tables, lens_t, ref, 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2)
 

@@ -17,7 +17,7 @@ import torch
 
 from minivllm.context import Context
 from minivllm.ops.attention import store_kvcache as store_reference
-from minivllm.ops.attention import varlen_attention_reference
+from minivllm.ops.attention import gather_kv, varlen_attention_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -132,11 +132,31 @@ if CUDA:
 else:
     PREFILL_TILINGS = [(8, 4, 4), (4, 4, 4), (4, 4, 16), (6, 4, 8)]
 SWITCHES = [dict(PREFETCH=p, K_T=t, PER_BLOCK=b) for p in (False, True) for t in (False, True) for b in (False, True)]
+# NEW_KV (the step's keys read from the step's own K and V) is on by default; off, every key
+# is gathered through the block table, as when the caller has no K and V to give.
+SWITCHES[0]["NEW_KV"] = False
+
+
+def step_kv(k_cache, v_cache, tables, lens, q_lens, padded_rows=None):
+    """The keys and values a step computed (each sequence's last q_lens of its lens), as
+    the kernel gets them from the model: rows of one [tokens, q + k + v] projection, so
+    strided views, here of a wider buffer. Rows past the real ones (a graph's padding,
+    ``padded_rows`` in all) hold NaN: the kernel must never let them into an output."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    real = sum(q_lens)
+    qkv = torch.full((padded_rows or real, 3, kv_heads, head_dim), float("nan"), device=DEVICE, dtype=k_cache.dtype)
+    row = 0
+    for table, n, m in zip(tables.tolist(), lens, q_lens):
+        for cache, which in ((k_cache, 1), (v_cache, 2)):
+            qkv[row : row + m, which] = gather_kv(cache, torch.tensor(table), n)[n - m :]
+        row += m
+    return qkv[:, 1], qkv[:, 2]
 
 
 def check_prefill(heads, kv_heads, head_dim, block_size, lens, q_lens, window=None, config=None, seed=0):
     """The prefill kernel on random inputs against the float32 reference, into an output
-    filled with NaN first: a row the kernel does not write stays NaN."""
+    filled with NaN first: a row the kernel does not write stays NaN. The kernel gets the
+    step's own keys and values too (read from there with NEW_KV, the default)."""
     from minivllm.kernels.paged_attention import paged_prefill_attention
 
     torch.manual_seed(seed)
@@ -145,8 +165,9 @@ def check_prefill(heads, kv_heads, head_dim, block_size, lens, q_lens, window=No
     cu = torch.tensor([0] + q_lens).cumsum(0).to(device=DEVICE, dtype=torch.int32)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
+    k, v = step_kv(k_cache, v_cache, tables, lens, q_lens)
     got = paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                  cu, max(q_lens), scale, sliding_window=window, config=config, out=out)
+                                  cu, max(q_lens), scale, sliding_window=window, config=config, out=out, k=k, v=v)
     assert got is out
     assert not out.isnan().any(), f"{out.isnan().any(-1).any(-1).sum().item()} query rows left unwritten"
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, lens, q_lens, scale, window), **TOL)
@@ -215,7 +236,8 @@ def test_paged_prefill_verifying_step_with_padding(heads, kv_heads):
     all_lens = torch.tensor(lens + [0] * num_pad_seqs, dtype=torch.int64, device=DEVICE)
     all_tables = torch.cat([tables, torch.zeros(num_pad_seqs, tables.shape[1], dtype=tables.dtype, device=DEVICE)])
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, all_tables, all_lens, cu, 10, head_dim**-0.5, out=out)
+    k, v = step_kv(k_cache, v_cache, tables, lens, q_lens, padded_rows)  # NaN in the padding rows
+    paged_prefill_attention(q, k_cache, v_cache, all_tables, all_lens, cu, 10, head_dim**-0.5, out=out, k=k, v=v)
     assert not out[:real].isnan().any() and out[real:].isnan().all()
     want = reference(q[:real], k_cache, v_cache, tables, lens, q_lens, head_dim**-0.5)
     torch.testing.assert_close(out[:real].float(), want, **TOL)
@@ -236,6 +258,7 @@ out = []
 for dtype, head_dim, group, max_seqlen_q in json.loads(sys.argv[1]):
     config = prefill_config(head_dim, group, True, max_seqlen_q, 4 if dtype == "fp32" else 2)
     signature = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    signature.update({name: f"tensordesc<{dtype}[{config['BLOCK_N']},{head_dim}]>" for name in ("k_new", "v_new")})
     signature.update({"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "cu_seqlens_ptr": "*i64", "scale": "fp32"})
     signature.update({name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs",
                                                "stride_ch", "stride_bt", "window")})
