@@ -400,18 +400,18 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     switches of the kernel (``PREFETCH``: block-table lookups one tile ahead; ``K_T``: keys
     loaded as [head_dim, keys]; ``PER_BLOCK``: one block id per cache block of a tile, not
     per key; ``NEW_KV``: the keys computed in this step read from the step's own K and V
-    through tensor descriptors, when the caller passes them). On the GPU from scripts/tune_attention.py on an H200
-    (benchmarks/attention_tuning.json); in the interpreter (CPU tests) small tiles, so that
-    short test sequences span several.
+    through tensor descriptors, when the caller passes them). On the GPU from
+    scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
+    interpreter (CPU tests) small tiles, so that short test sequences span several.
 
     A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
     verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
     fewest ``tl.dot`` takes: a 128-row tile would hold a 4-token query's 8 rows and compute
     120 rows of padding, against every key of the context.
 
-    Float32 (``itemsize`` 4, the course's parity runs) takes the wide heads' smaller tiles:
-    the half-precision tiles' three stages of 128 keys would need 393 KB of shared memory
-    at head_dim 128 in float32, past the H200's 227 KB, and 230 KB at 64."""
+    Float32 (``itemsize`` 4, the course's parity runs) takes tiles of its own: the
+    half-precision tiles of 128 keys in three stages once needed 393 KB of shared memory at
+    head_dim 128 in float32, past the H200's 227 KB."""
     block_g = triton.next_power_of_2(group)
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True}
     if not on_gpu:
@@ -422,13 +422,15 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
                 "num_stages": 2, **switches, "NEW_KV": False}
     if head_dim <= 128 and itemsize <= 2:
-        # The sweep's choice on the H200 at 246aed1 (benchmarks/attention_tuning.json): 128
-        # query rows per tile (positions x the group's heads), 128 keys per step, 8 warps, 3
-        # stages with the block-table lookup a tile ahead. Against the kernel before exp2 and
-        # the switches: 20.6% of the matmul rate on 8 x 1,000 causal tokens (17.8% before),
-        # 39.0% on 8 x 512 after 3,000 cached (27.4%), 19.2% on 64 x 600 (19.7%). PER_BLOCK
-        # and K_T were slower on every shape.
-        return {"BLOCK_M": max(16, 128 // block_g), "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, **switches}
+        # The sweep's choice on the H200 at 9acaab0 (benchmarks/attention_tuning.json, each
+        # config timed as ten calls in one CUDA graph): 64 query rows per tile (positions x
+        # the group's heads), 64 keys per step, 4 warps, 3 stages, the block-table lookup a
+        # tile ahead, and the step's own keys read through tensor descriptors. Against the
+        # kernel before NEW_KV (128 rows, 128 keys, 8 warps, timed the same way): 34.2% of
+        # the matmul rate on 8 x 1,000 causal tokens (26.5%), 49.6% on 8 x 512 after 3,000
+        # cached (45.8%), 28.6% on 64 x 600 (20.9%), 49.7% on one prompt of 4,096 (39.0%).
+        # PER_BLOCK reached 40.1% on 8 x 1,000 but 18.1% after a cached prefix.
+        return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **switches}
     plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False}
     if itemsize > 2:
         # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages. At
