@@ -143,3 +143,31 @@ def test_n_completions_fork_the_prompt_on_the_gpu(tmp_path, async_scheduling):
     assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in separate]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_step_keys_read_in_bulk_give_the_same_tokens(tmp_path, monkeypatch):
+    """bfloat16, where prefill reads the step's own keys and values through tensor
+    descriptors (NEW_KV): greedy tokens equal those of the same engine with every key
+    gathered through the block table, over prompts from scratch, prompts after a cached
+    prefix and chunks of a long one (eager, so both runs launch the kernel they configure)."""
+    from minivllm.kernels import paged_attention
+
+    path = make_tiny_checkpoint(tmp_path, seed=11, dtype=torch.bfloat16, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 512, (200,), generator=g).tolist()
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 129, 700)]
+    prompts += [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 70, 300)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    default, describe = paged_attention.prefill_config, paged_attention.step_kv_descriptor
+    assert default(128, 2)["NEW_KV"] and default(64, 4)["NEW_KV"]
+    made = []  # the descriptors the kernel got: the engine's K and V must be ones it can describe
+    monkeypatch.setattr(paged_attention, "step_kv_descriptor", lambda *a: made.append(describe(*a)) or made[-1])
+    results = []
+    for new_kv in (True, False):
+        monkeypatch.setattr(paged_attention, "prefill_config", lambda *a, **k: {**default(*a, **k), "NEW_KV": new_kv})
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.1, max_num_batched_tokens=256)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+        if new_kv:
+            assert made and all(d is not None for d in made), f"{sum(d is None for d in made)} of {len(made)} not described"
+    assert results[0] == results[1]
