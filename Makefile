@@ -33,11 +33,9 @@ test: setup
 	$(PY) scripts/make_exercises.py --check
 	$(PY) scripts/build_book.py
 	$(PY) -m pytest -q -m "not gpu" tests
-	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
-	# Again through the notebooks' learner switch, on the reference copies in solutions/.
-	MINIVLLM_LEARNER=solutions $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-	  --nbval-sanitize-with notebooks/sanitize.cfg notebooks
+	# The notebooks under nbval, on the package and (through the learner switch) on the
+	# reference copies in solutions/: two passes at once.
+	bash scripts/test_notebooks.sh $(PY)
 
 exercises: setup
 	$(PY) scripts/make_exercises.py
