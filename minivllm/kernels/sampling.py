@@ -13,17 +13,34 @@ bf16), writes one int64 per row; the noise and the comparisons are arithmetic in
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
-def _fold(best, best_idx, row_ptr, cols, end, u, greedy, inv_t):
+def _log2(x, FAST: tl.constexpr):
+    # The GPU's one-instruction approximation (lg2.approx, relative error about 2^-22), or
+    # the accurate libdevice routine (some thirty instructions): the noise needs no more
+    # precision than its 24-bit uniforms have. Triton's interpreter has only the second.
+    if FAST:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _fold(best, best_idx, row_ptr, cols, end, u, greedy, scale, FAST: tl.constexpr):
     """One quarter block of a row into each lane's best: the logits at ``cols`` (those at or
-    past ``end`` are not the split's), tempered and given the Gumbel noise -log(-log(u)),
-    or as they are for a greedy row."""
+    past ``end`` are not the split's), tempered and given Gumbel noise, or as they are for a
+    greedy row. In base 2: x / T - ln(-ln u), divided by ln 2 (which leaves the argmax
+    where it is), is x * log2(e) / T - log2(-log2 u) plus a constant; ``scale`` is
+    log2(e) / T."""
     x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-    v = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
+    v = tl.where(greedy, x, x * scale - _log2(-_log2(u, FAST), FAST))
     take = (v > best) & (cols < end)
     return tl.where(take, v, best), tl.where(take, cols, best_idx)
 
@@ -40,12 +57,13 @@ def _gumbel_argmax_kernel(
     best_ptr,  # [rows, SPLITS] float32: each split's best value
     best_idx_ptr,  # [rows, SPLITS] int32: and its first index
     stride, vocab, split_len, BLOCK: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     greedy = tl.load(greedy_ptr + row) != 0
-    inv_t = 1.0 / tl.load(temperature_ptr + row)
+    scale = LOG2E / tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row)
     # A block of BLOCK logits is four quarters of QUARTER; lane i of each quarter takes one
     # of the four numbers that one Philox call (tl.rand4x, counter start / 4 + i) makes.
@@ -58,14 +76,13 @@ def _gumbel_argmax_kernel(
     best = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.full([QUARTER], vocab, tl.int32)
     first, end = split * split_len, tl.minimum(split * split_len + split_len, vocab)
+    row_ptr = logits_ptr + row * stride
     for start in range(first, end, BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)  # uniform in [0, 1)
-        best, best_idx = _fold(best, best_idx, logits_ptr + row * stride, start + lanes, end, u0, greedy, inv_t)
-        best, best_idx = _fold(best, best_idx, logits_ptr + row * stride, start + QUARTER + lanes, end, u1, greedy, inv_t)
-        best, best_idx = _fold(best, best_idx, logits_ptr + row * stride, start + 2 * QUARTER + lanes, end, u2, greedy,
-                               inv_t)
-        best, best_idx = _fold(best, best_idx, logits_ptr + row * stride, start + 3 * QUARTER + lanes, end, u3, greedy,
-                               inv_t)
+        best, best_idx = _fold(best, best_idx, row_ptr, start + lanes, end, u0, greedy, scale, FAST_LOG)
+        best, best_idx = _fold(best, best_idx, row_ptr, start + QUARTER + lanes, end, u1, greedy, scale, FAST_LOG)
+        best, best_idx = _fold(best, best_idx, row_ptr, start + 2 * QUARTER + lanes, end, u2, greedy, scale, FAST_LOG)
+        best, best_idx = _fold(best, best_idx, row_ptr, start + 3 * QUARTER + lanes, end, u3, greedy, scale, FAST_LOG)
     top = tl.max(best, axis=0)
     # The smallest index among the lanes that hold the maximum: the first maximum overall.
     token = tl.min(tl.where(best == top, best_idx, vocab), axis=0)
@@ -119,6 +136,6 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, splits)](logits, temperature, greedy, seeds, best, best_idx, logits.stride(0),
                                           vocab, split_len, BLOCK=block, SPLITS=max_splits, num_warps=8,
-                                          **pdl_options(logits))
+                                          FAST_LOG=logits.is_cuda, **pdl_options(logits))
     _merge_splits_kernel[(rows,)](best, best_idx, out, vocab, splits, SPLITS=max_splits, **pdl_options(logits))
     return out

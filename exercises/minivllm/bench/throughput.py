@@ -131,12 +131,18 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
     second run, with the per-step trace that the speed of light is computed from)."""
     from minivllm import LLM, SamplingParams
 
+    from minivllm.bench.compiles import triton_compiles
+
     start = time.perf_counter()
-    llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, max_model_len=4096, **engine_args)
+    with triton_compiles() as compiled:
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, max_model_len=4096, **engine_args)
     startup = time.perf_counter() - start
     llm.generate(WARMUP_PROMPT, SamplingParams(), use_tqdm=False)
     torch.cuda.reset_peak_memory_stats()
-    result = {"startup_seconds": startup, "first_run": timed_run(llm, prompts, output_lens)}
+    # Start-up by phase (the model runner's; the rest of `startup` is the tokenizer and the
+    # engine's own set-up), and the kernels Triton compiled or loaded from its cache in it.
+    result = {"startup_seconds": startup, "startup_phases": dict(llm.engine.runner.startup_seconds),
+              "startup_triton_compiles": len(compiled), "first_run": timed_run(llm, prompts, output_lens)}
     if second_run:
         llm.engine.config.record_trace = True
         result["second_run"] = timed_run(llm, fresh_prompts(prompts, seed=1), output_lens)

@@ -262,6 +262,8 @@ def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_new,  # with NEW_KV: a descriptor of this step's keys, [num_tokens, num_kv_heads * head_dim]
+    v_new,  # with NEW_KV: the same of its values
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     context_lens_ptr,  # [num_seqs] int32: keys per sequence, cached prefix included
     cu_seqlens_ptr,  # [num_seqs + 1] int32: where each sequence's queries start in q
@@ -272,7 +274,7 @@ def _prefill_kernel(
     stride_bt, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr, K_T: tl.constexpr, PER_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr, K_T: tl.constexpr, PER_BLOCK: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     # The last query tiles of a causal prompt have the most keys: launch them first, so that
     # the light ones fill the GPU's tail instead of a heavy one running alone at the end.
@@ -313,11 +315,23 @@ def _prefill_kernel(
     # the tiles wholly at or before the first query are visible to every row: no mask there.
     lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     mid = tl.where(window > 0, lo, (first_q + 1) // BLOCK_N * BLOCK_N)
+    # Key tiles wholly at or after `offset` were computed in this step: with NEW_KV they are
+    # read from the step's own keys and values, contiguous rows that a tensor descriptor
+    # loads in bulk (Hopper's TMA), not gathered row by row through the block table. So
+    # [lo, mid) splits at the first such tile into gathered tiles and loaded ones, and so
+    # does [mid, hi). A prompt from scratch (offset 0) gathers nothing.
+    if NEW_KV:
+        step_lo = tl.cdiv(offset, BLOCK_N) * BLOCK_N
+        mid_gathered = tl.minimum(tl.maximum(lo, step_lo), mid)
+        hi_gathered = tl.minimum(tl.maximum(mid, step_lo), hi)
+    else:
+        mid_gathered = mid
+        hi_gathered = hi
     if PREFETCH:
         # The block-table lookup runs one tile ahead of the K/V loads that need it, so a load
         # never waits on the lookup of its own addresses.
         rows = _kv_tile_rows(bt_ptr, lo, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
-    for n0 in range(lo, mid, BLOCK_N):
+    for n0 in range(lo, mid_gathered, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         if not PREFETCH:
             rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
@@ -330,7 +344,17 @@ def _prefill_kernel(
             rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                  BLOCK_N, PER_BLOCK)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
-    for n0 in range(mid, hi, BLOCK_N):
+    if NEW_KV:
+        for n0 in range(mid_gathered, mid, BLOCK_N):
+            row = (q_start + n0 - offset).to(tl.int32)  # key n0's row among the step's tokens
+            k = k_new.load([row, kv_head * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = v_new.load([row, kv_head * HEAD_DIM])
+            m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+        if PREFETCH:  # the gathered diagonal tiles start at mid, not where the first loop stopped
+            rows = _kv_tile_rows(bt_ptr, mid, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
+                                 PER_BLOCK)
+    for n0 in range(mid, hi_gathered, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
@@ -351,6 +375,21 @@ def _prefill_kernel(
             rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                  BLOCK_N, PER_BLOCK)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+    if NEW_KV:
+        for n0 in range(hi_gathered, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < hi
+            row = (q_start + n0 - offset).to(tl.int32)
+            k = k_new.load([row, kv_head * HEAD_DIM])  # rows past the step's last are zeros
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
+            if window > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            # Rows past the sequence's keys are another sequence's, or a graph's padding: zero
+            # them, as the gathered loads' mask does, so that nothing but 0 * v reaches the dot.
+            v = tl.where(valid[:, None], v_new.load([row, kv_head * HEAD_DIM]), 0.0)
+            m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -366,38 +405,65 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     per tile), BLOCK_N keys per step, the launch's warps and pipeline stages, and three
     switches of the kernel (``PREFETCH``: block-table lookups one tile ahead; ``K_T``: keys
     loaded as [head_dim, keys]; ``PER_BLOCK``: one block id per cache block of a tile, not
-    per key). On the GPU from scripts/tune_attention.py on an H200
-    (benchmarks/attention_tuning.json); in the interpreter (CPU tests) small tiles, so that
-    short test sequences span several.
+    per key; ``NEW_KV``: the keys computed in this step read from the step's own K and V
+    through tensor descriptors, when the caller passes them). On the GPU from
+    scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
+    interpreter (CPU tests) small tiles, so that short test sequences span several.
 
     A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
     verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
     fewest ``tl.dot`` takes: a 128-row tile would hold a 4-token query's 8 rows and compute
     120 rows of padding, against every key of the context.
 
-    Float32 (``itemsize`` 4, the course's parity runs) takes the wide heads' smaller tiles:
-    the half-precision tiles' three stages of 128 keys would need 393 KB of shared memory
-    at head_dim 128 in float32, past the H200's 227 KB, and 230 KB at 64."""
+    Float32 (``itemsize`` 4, the course's parity runs) takes tiles of its own: the
+    half-precision tiles of 128 keys in three stages once needed 393 KB of shared memory at
+    head_dim 128 in float32, past the H200's 227 KB."""
     block_g = triton.next_power_of_2(group)
-    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False}
+    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True}
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY:
+        # NEW_KV off: a tile of 64 keys lies wholly in a short query's own keys only for a
+        # prompt of them, and the loads it adds cost compile time and shared memory.
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
-                "num_stages": 2, **switches}
+                "num_stages": 2, **switches, "NEW_KV": False}
     if head_dim <= 128 and itemsize <= 2:
-        # The sweep's choice on the H200 at 246aed1 (benchmarks/attention_tuning.json): 128
-        # query rows per tile (positions x the group's heads), 128 keys per step, 8 warps, 3
-        # stages with the block-table lookup a tile ahead. Against the kernel before exp2 and
-        # the switches: 20.6% of the matmul rate on 8 x 1,000 causal tokens (17.8% before),
-        # 39.0% on 8 x 512 after 3,000 cached (27.4%), 19.2% on 64 x 600 (19.7%). PER_BLOCK
-        # and K_T were slower on every shape.
-        return {"BLOCK_M": max(16, 128 // block_g), "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, **switches}
-    # Wider heads (Gemma's 256) keep the shape they were measured with: 64 rows, 32 keys,
-    # 4 warps, 2 stages (a 128-row tile of 256 channels would not leave shared memory for
-    # three stages of K and V); so does float32.
-    return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
-            "PREFETCH": False, "K_T": False, "PER_BLOCK": False}
+        # The sweep's choice on the H200 at 9acaab0 (benchmarks/attention_tuning.json, each
+        # config timed as ten calls in one CUDA graph): 64 query rows per tile (positions x
+        # the group's heads), 64 keys per step, 4 warps, 3 stages, the block-table lookup a
+        # tile ahead, and the step's own keys read through tensor descriptors. Against the
+        # kernel before NEW_KV (128 rows, 128 keys, 8 warps, timed the same way): 34.2% of
+        # the matmul rate on 8 x 1,000 causal tokens (26.5%), 49.6% on 8 x 512 after 3,000
+        # cached (45.8%), 28.6% on 64 x 600 (20.9%), 49.7% on one prompt of 4,096 (39.0%).
+        # PER_BLOCK reached 40.1% on 8 x 1,000 but 18.1% after a cached prefix.
+        return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **switches}
+    plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False}
+    if itemsize > 2:
+        # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages. At
+        # head_dim 256 and a group of 8, 16 positions x 8 heads (128 rows) took 213 KB of
+        # shared memory and over two minutes to compile; with NEW_KV, 241 KB (past 227).
+        return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **plain}
+    # Wider heads (Gemma's 256) keep the shape they were measured with: 16 positions or more
+    # (64 rows at a group of 2), 32 keys, 4 warps, 2 stages (a 128-row tile of 256 channels
+    # would not leave shared memory for three stages of K and V), and the plain loads.
+    return {"BLOCK_M": max(16, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **plain}
+
+
+def step_kv_descriptor(x: torch.Tensor | None, cache: torch.Tensor, block_n: int):
+    """A tensor descriptor of one step's keys (or values) x, [num_tokens, num_kv_heads,
+    head_dim], seen as [num_tokens, num_kv_heads * head_dim] and loaded [block_n, head_dim]
+    at a time; None where x is missing, empty, or laid out so that a descriptor cannot
+    address it (a token's heads not contiguous, rows not 16-byte aligned, another dtype
+    than the cache's): the kernel then reads those keys from the cache."""
+    if x is None or x.shape[0] == 0 or x.dtype != cache.dtype or x.shape[1:] != cache.shape[2:]:
+        return None
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = torch.as_strided(x, (tokens, heads * head_dim), (x.stride(0), 1))
+    return TensorDescriptor(rows, shape=list(rows.shape), strides=list(rows.stride()), block_shape=[block_n, head_dim])
 
 
 def paged_prefill_attention(
@@ -412,12 +478,17 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
     values, cached prefix included, are already in the cache. Causal, and with
     ``sliding_window`` the query at position p sees keys j with p - sliding_window < j <= p.
     ``config``: the tile shape (``prefill_config``'s keys; those left out keep their
-    defaults), for tuning. Writes into ``out`` (q's shape and dtype) when given; returns it."""
+    defaults), for tuning. Writes into ``out`` (q's shape and dtype) when given; returns it.
+    ``k``, ``v``: this step's keys and values, [num_tokens, num_kv_heads, head_dim], the
+    rows that were just stored into the cache; given, the kernel reads the tiles of them
+    from there (contiguous, in bulk) instead of through the block table."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1):
@@ -438,9 +509,13 @@ def paged_prefill_attention(
     if config is not None and not set(config) <= set(defaults):
         raise ValueError(f"config keys must be among {sorted(defaults)}, got {sorted(config)}")
     config = {**defaults, **(config or {})}
+    k_new = v_new = None
+    if config["NEW_KV"]:
+        k_new, v_new = step_kv_descriptor(k, k_cache, config["BLOCK_N"]), step_kv_descriptor(v, v_cache, config["BLOCK_N"])
+        config["NEW_KV"] = k_new is not None and v_new is not None
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale,
+        q, k_cache, v_cache, k_new, v_new, block_tables, context_lens, cu_seqlens_q, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), sliding_window or 0,

@@ -21,6 +21,8 @@ forward pass has shown the activations' peak; on the CPU it comes from a configu
 """
 import gc
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,7 +148,12 @@ class ModelRunner:
         # Speculative decoding with a draft model (chapter 19): the draft keeps a block of its
         # own beside each block of the pool, allocated by its proposer; the budget pays for both.
         self.draft_block_bytes = draft_block_bytes
-        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        # Where construction's time goes, in seconds by phase (``minivllm bench throughput``
+        # reports it): loading the weights, sizing and allocating the KV pool (a warm-up
+        # forward pass), capturing the CUDA graphs, compiling the eager steps' kernels.
+        self.startup_seconds: dict[str, float] = {}
+        with self._startup_phase("load_weights"):
+            self.model = load_model(config.model, dtype=config.dtype, device=self.device)
         self.model_config = self.model.config
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)
@@ -161,7 +168,8 @@ class ModelRunner:
                                   self.num_state_slots, torch.cuda.mem_get_info(self.device)[0], num_spec_states)
         self.state_slot_bytes = allocate_state_pools(self.state_layers, self.num_state_slots, config.dtype, self.device,
                                                      num_spec_states)
-        self.num_kv_blocks = self._allocate_kv_cache()
+        with self._startup_phase("kv_cache"):
+            self.num_kv_blocks = self._allocate_kv_cache()
         # A sequence can never grow past the model's positions (asking for more is an error),
         # nor past the whole pool (a small pool shortens it, and says so).
         config.check_max_model_len(self.model_config)
@@ -184,7 +192,18 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
         if self.device.type == "cuda":
-            self.compile_kernels()
+            with self._startup_phase("compile_kernels"):
+                self.compile_kernels()
+
+    @contextmanager
+    def _startup_phase(self, name: str):
+        """Time one phase of construction into ``startup_seconds[name]``, the device's queued
+        work included."""
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_seconds[name] = time.perf_counter() - start
 
     # -- the KV pool -------------------------------------------------------------------
 
@@ -522,18 +541,21 @@ class ModelRunner:
         self.static["hidden"] = torch.zeros(max_bs, self.model_config.hidden_size, dtype=self.config.dtype, device=dev)
         s = self.static
         pool = None
-        for bs in reversed(self.graph_sizes):
-            self._set_decode_context(bs)
-            self.graphs[bs] = self._capture(s, bs, pool)
-            pool = pool or self.graphs[bs].pool()
+        with self._startup_phase("decode_graphs"):
+            for bs in reversed(self.graph_sizes):
+                self._set_decode_context(bs)
+                self.graphs[bs] = self._capture(s, bs, pool)
+                pool = pool or self.graphs[bs].pool()
         self.graph_replays = dict.fromkeys(self.graph_sizes, 0)  # how often each graph ran
         # Hybrid models' recurrent layers choose their kernels on the host from each step's
         # chunk lengths, and a tensor-parallel group would have to capture the same graphs on
         # every rank: those prefill eagerly.
         if not self.state_layers and get_tp_world_size() == 1:
-            self._capture_prefill_graphs(pool)
+            with self._startup_phase("prefill_graphs"):
+                self._capture_prefill_graphs(pool)
             if self.config.speculative is not None:
-                self._capture_verify_graphs(pool)
+                with self._startup_phase("verify_graphs"):
+                    self._capture_verify_graphs(pool)
 
     def _capture_prefill_graphs(self, pool) -> None:
         """One graph per token count in PREFILL_GRAPH_TOKENS (up to the step budget), for a
