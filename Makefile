@@ -32,7 +32,9 @@ test: setup
 	bash scripts/install_test_deps.sh
 	$(PY) scripts/make_exercises.py --check
 	$(PY) scripts/build_book.py
-	$(PY) -m pytest -q -m "not gpu" tests
+	# Two workers, one per core; a test file stays on one worker (its module fixtures: one
+	# checkpoint, one server).
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
 	# The notebooks under nbval, on the package and (through the learner switch) on the
 	# reference copies in solutions/: two passes at once.
 	bash scripts/test_notebooks.sh $(PY)
