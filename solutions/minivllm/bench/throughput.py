@@ -126,7 +126,6 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
     the first thing the user's engine does. Then the same work with fresh prompts (the
     second run, with the per-step trace that the speed of light is computed from)."""
     from minivllm import LLM, SamplingParams
-
     from minivllm.bench.compiles import triton_compiles
 
     start = time.perf_counter()
