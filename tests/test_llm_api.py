@@ -376,3 +376,36 @@ def test_a_batch_with_one_bad_request_queues_none(llm):
     long_prompt = [5] * (llm.engine.runner.max_model_len + 10)
     out = llm.generate([long_prompt], SamplingParams(max_tokens=2, truncate_prompt_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
+    """Inside generate the garbage collector skips the objects that existed before it (no
+    full-heap walk stalls a step); after it they are collectable again, and a heap frozen by
+    someone else stays frozen."""
+    import gc
+
+    from minivllm.bench.throughput import gc_pauses
+
+    seen = []
+    step = llm.engine.step
+
+    def recording_step():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    assert gc.get_freeze_count() == 0
+    with gc_pauses() as pauses:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        gc.collect()
+    assert seen and min(seen) > 0  # every step ran frozen
+    assert gc.get_freeze_count() == 0
+    assert pauses["collections"][2] >= 1 and pauses["longest_seconds"] > 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        # (Frozen objects are still freed by their reference counts: a few go in the call.)
+        assert gc.get_freeze_count() > 0.9 * frozen
+    finally:
+        gc.unfreeze()

@@ -12,6 +12,7 @@ hash kept*; they are only forgotten when the free list hands them out again (laz
 least recently freed first), so a finished request's prefix stays reusable until the
 memory is actually needed.
 """
+import struct
 from collections import OrderedDict
 
 import xxhash
@@ -25,7 +26,7 @@ def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # 4 little-endian bytes a token
     return h.intdigest()
     # END SOLUTION
 

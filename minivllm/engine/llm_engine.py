@@ -639,7 +639,10 @@ class RequestLimits:
                 f"(max_model_len={self.max_model_len}, limited by the model and by a KV pool of "
                 f"{self.num_kv_blocks} blocks x {self.block_size} tokens)"
             )
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        # The types, then the range: two passes in C (set, min, max) where one Python test
+        # per token cost half a millisecond of a 4,096-token prompt's time to first token.
+        if not all(issubclass(t, int) for t in set(map(type, token_ids))) or min(token_ids) < 0 \
+                or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
 
     def check_request(self, token_ids: list[int], params: SamplingParams, outputs: OutputProcessor) -> None:

@@ -344,8 +344,15 @@ class ModelRunner:
             input_ids.extend(ids)
             positions.extend(range(start, start + n))
             # BEGIN SOLUTION ch05 slot_mapping
-            for p in range(start, start + n):
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            # One range per block the new tokens touch, not a Python step per token: a
+            # 4,096-token prompt is 256 ranges (16-token blocks), not 4,096 appends.
+            p, end = start, start + n
+            while p < end:
+                block, offset = divmod(p, bs)
+                take = min(end - p, bs - offset)  # the new tokens that land in this block
+                first = seq.block_table[block] * bs + offset
+                slots.extend(range(first, first + take))
+                p += take
             # END SOLUTION
             context_lens.append(start + n)
             cu.append(cu[-1] + n)

@@ -15,9 +15,11 @@ the attention FLOPs. Each step's floor is max(bytes / bandwidth, FLOPs / matmul 
 both ceilings measured in this run; the workload's floor is the sum over the engine's real
 steps. "% of speed of light" = that floor / the measured time.
 """
+import gc
 import os
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,6 +83,31 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
 WARMUP_PROMPT = [[33, 8934, 25, 220]]
 
 
+@contextmanager
+def gc_pauses():
+    """Collect, in the dict this yields, how often the cyclic garbage collector ran inside
+    the block, per generation, and how long it stalled the process in all and at most. A
+    full collection walks every tracked object (hundreds of thousands with torch loaded);
+    inside a timed run it is a step that takes a tenth of a second longer."""
+    pauses = {"collections": [0, 0, 0], "seconds": 0.0, "longest_seconds": 0.0}
+    started = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            took = time.perf_counter() - started.pop()
+            pauses["collections"][info["generation"]] += 1
+            pauses["seconds"] += took
+            pauses["longest_seconds"] = max(pauses["longest_seconds"], took)
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def timed_run(llm, prompts, output_lens) -> dict:
     """One timed ``generate`` of the workload, as bench.py times it, with what it compiled
     and how its time split between steps with prefill work and decode-only steps."""
@@ -89,14 +116,15 @@ def timed_run(llm, prompts, output_lens) -> dict:
 
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     before = dict(llm.engine.stats)
-    with triton_compiles() as compiled:
+    with triton_compiles() as compiled, gc_pauses() as collector:
         outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
     stats = {k: llm.engine.stats[k] - before.get(k, 0) for k in ("prefill_seconds", "decode_seconds")}
     return {"output_tokens": output_tokens, "seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
             "prefill_step_seconds": stats["prefill_seconds"], "decode_step_seconds": stats["decode_seconds"],
-            "triton_compiles": len(compiled), "compiled": sorted(set(c.split("[")[0] for c in compiled))}
+            "triton_compiles": len(compiled), "compiled": sorted(set(c.split("[")[0] for c in compiled)),
+            "garbage_collector": collector}
 
 
 def gpu_busy(llm, prompts, output_lens) -> dict:

@@ -17,6 +17,7 @@ hash kept*; they are only forgotten when the free list hands them out again (laz
 least recently freed first), so a finished request's prefix stays reusable until the
 memory is actually needed.
 """
+import struct
 from collections import OrderedDict
 
 import xxhash

@@ -350,8 +350,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             raise NotImplementedError(
                 "ch05: slot mapping: for each position p in start .. start + n - 1, append "
-                "seq.block_table[p // bs] * bs + p % bs to slots, see "
-                "notebooks/05_paged_blocks.ipynb"
+                "seq.block_table[p // bs] * bs + p % bs to slots (the package appends one range "
+                "per block: the same slots, faster), see notebooks/05_paged_blocks.ipynb"
             )
             context_lens.append(start + n)
             cu.append(cu[-1] + n)

@@ -347,8 +347,15 @@ class ModelRunner:
                 ids = ids + [0]
             input_ids.extend(ids)
             positions.extend(range(start, start + n))
-            for p in range(start, start + n):
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            # One range per block the new tokens touch, not a Python step per token: a
+            # 4,096-token prompt is 256 ranges (16-token blocks), not 4,096 appends.
+            p, end = start, start + n
+            while p < end:
+                block, offset = divmod(p, bs)
+                take = min(end - p, bs - offset)  # the new tokens that land in this block
+                first = seq.block_table[block] * bs + offset
+                slots.extend(range(first, first + take))
+                p += take
             context_lens.append(start + n)
             cu.append(cu[-1] + n)
         rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
