@@ -195,7 +195,7 @@ def shape_of(result: dict) -> dict:
 def label(config: dict) -> str:
     """A config in one short line: rows (BLOCK_M x the group's heads), keys, warps, stages, the
     switches that are on."""
-    on = "".join(f" +{k}" for k in SWITCH_NAMES if config.get(k))
+    on = "".join(f" +{k}" for k in SWITCH_NAMES + ("FROM_SCRATCH",) if config.get(k))
     return (f"rows {config['BLOCK_M'] * BLOCK_G:3d} keys {config['BLOCK_N']:3d} w{config['num_warps']} "
             f"s{config['num_stages']}{on}")
 
@@ -260,6 +260,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="start no new prefill config after this many seconds (default 200)")
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling at once (default 8; 1: none)")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="only the FROM_SCRATCH variants of the best shapes (steps without cached keys)")
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles too")
     parser.add_argument("--block-size", type=int, default=EngineConfig.__dataclass_fields__["block_size"].default,
                         help="KV cache block size (default: the engine's)")
@@ -278,6 +280,8 @@ def main():
     def measure(module, config=None):
         row = {}
         for name, (lens, q_lens) in WORKLOADS.items():
+            if (config or {}).get("FROM_SCRATCH") and name == CACHED:
+                continue  # FROM_SCRATCH is for steps without cached keys only
             out = run(module, data[name], max(q_lens), config)
             err = ((out.float() - refs[name]).norm() / refs[name].norm()).item()
             if not err < 1e-2:  # bf16 operands: about 3e-3
@@ -290,7 +294,8 @@ def main():
         return row
 
     def line(name, row):
-        return f"  {name:58s} " + "  ".join(f"{row[w]['percent_of_matmul']:5.1f}%" for w in WORKLOADS)
+        return f"  {name:58s} " + "  ".join(f"{row[w]['percent_of_matmul']:5.1f}%" if w in row else "    - "
+                                             for w in WORKLOADS)
 
     report = {"ceilings": ceilings, "torch": torch.__version__, "triton": triton.__version__,
               "block_size": args.block_size,
@@ -337,6 +342,21 @@ def main():
                 continue
             results[key(full)] = {"config": full, "rows": full["BLOCK_M"] * BLOCK_G, "phase": phase, **row}
             print(line(f"[{phase}: {i + 1:2d}/{len(configs)}, {time.perf_counter() - t0:4.0f} s] {label(full)}", row))
+
+    if args.from_scratch:
+        # Phase 3 alone: the kernel compiled without its gathered loops (FROM_SCRATCH), for
+        # steps in which no sequence has cached keys, on the shapes measured best before.
+        shapes = [shape_of(report["default"])] + [s for s in tile_configs()[:4] if s != shape_of(report["default"])]
+        configs = [{**defaults, **shape, "FROM_SCRATCH": True, "PER_BLOCK": per_block}
+                   for shape in shapes for per_block in (False, True)]
+        print("phase 3: FROM_SCRATCH (the cached workload left out)")
+        sweep(configs, 3)
+        report["from_scratch"] = sorted(results.values(), key=lambda r: r[list(WORKLOADS)[0]]["seconds"])
+        report["seconds"] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"{report['seconds']:.0f} s in all; written to {args.out}")
+        return
 
     print("phase 1: tile shapes, default switches")
     sweep([{**shape, **{k: defaults[k] for k in SWITCH_NAMES}} for shape in tile_configs()], 1)

@@ -210,6 +210,20 @@ def test_paged_prefill_sliding_window_and_cached_prefix(switches, window):
                   config=dict(BLOCK_M=block_m, BLOCK_N=block_n, **switches), seed=2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (6, 2)], ids=["group2", "group8", "group3"])
+@pytest.mark.parametrize("window", [None, 6 if not CUDA else 100])
+def test_paged_prefill_from_scratch(heads, kv_heads, window):
+    """FROM_SCRATCH (a step in which every sequence computes its prompt from position 0)
+    compiles the kernel without its gathered loops: every key comes from the step's own K
+    and V. Prompts on and off tile boundaries, one of a single token."""
+    if CUDA:
+        heads, kv_heads = 4 * heads, 4 * kv_heads
+    lens = [1000, 64, 1, 257, 700] if CUDA else [23, 8, 1, 17, 40]
+    block_size, block_m, block_n = (16, 32, 64) if CUDA else (4, 4, 8)
+    check_prefill(heads, kv_heads, 128 if CUDA else 16, block_size, lens, list(lens), window=window, seed=3,
+                  config=dict(BLOCK_M=block_m, BLOCK_N=block_n, FROM_SCRATCH=True))
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)], ids=["group2", "group4", "group1"])
 def test_paged_prefill_verifying_step_with_padding(heads, kv_heads):
     """A verifying step as its CUDA graph lays it out (ModelRunner._capture_verify_graphs):

@@ -269,6 +269,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr, K_T: tl.constexpr, PER_BLOCK: tl.constexpr, NEW_KV: tl.constexpr,
+    FROM_SCRATCH: tl.constexpr = False,
 ):
     # The last query tiles of a causal prompt have the most keys: launch them first, so that
     # the light ones fill the GPU's tail instead of a heavy one running alone at the end.
@@ -318,26 +319,33 @@ def _prefill_kernel(
         step_lo = tl.cdiv(offset, BLOCK_N) * BLOCK_N
         mid_gathered = tl.minimum(tl.maximum(lo, step_lo), mid)
         hi_gathered = tl.minimum(tl.maximum(mid, step_lo), hi)
+        if FROM_SCRATCH:
+            mid_gathered = lo
+            hi_gathered = mid
     else:
         mid_gathered = mid
         hi_gathered = hi
-    if PREFETCH:
+    # FROM_SCRATCH (with NEW_KV): the caller says no sequence has keys before its queries
+    # (offset 0 everywhere), so every key tile is the step's own and the gathered loops are
+    # not compiled at all.
+    if PREFETCH and not FROM_SCRATCH:
         # The block-table lookup runs one tile ahead of the K/V loads that need it, so a load
         # never waits on the lookup of its own addresses.
         rows = _kv_tile_rows(bt_ptr, lo, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
-    for n0 in range(lo, mid_gathered, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        if not PREFETCH:
-            rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
-        if K_T:
-            s = tl.dot(q, tl.load(k_cache_ptr + rows[None, :] + d[:, None]), input_precision=PRECISION)
-        else:
-            s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :])), input_precision=PRECISION)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
-        if PREFETCH:
-            rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
-                                 BLOCK_N, PER_BLOCK)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+    if not FROM_SCRATCH:
+        for n0 in range(lo, mid_gathered, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            if not PREFETCH:
+                rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
+            if K_T:
+                s = tl.dot(q, tl.load(k_cache_ptr + rows[None, :] + d[:, None]), input_precision=PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :])), input_precision=PRECISION)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+            if PREFETCH:
+                rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
+                                     BLOCK_N, PER_BLOCK)
+            m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
     if NEW_KV:
         for n0 in range(mid_gathered, mid, BLOCK_N):
             row = (q_start + n0 - offset).to(tl.int32)  # key n0's row among the step's tokens
@@ -345,30 +353,31 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             v = v_new.load([row, kv_head * HEAD_DIM])
             m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
-        if PREFETCH:  # the gathered diagonal tiles start at mid, not where the first loop stopped
+        if PREFETCH and not FROM_SCRATCH:  # the gathered diagonal tiles start at mid, not where the first loop stopped
             rows = _kv_tile_rows(bt_ptr, mid, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
                                  PER_BLOCK)
-    for n0 in range(mid, hi_gathered, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < hi
-        if not PREFETCH:
-            rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
-        if K_T:
-            k = tl.load(k_cache_ptr + rows[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-            s = tl.dot(q, k, input_precision=PRECISION)
-        else:
-            k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
-        if window > 0:
-            visible = visible & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if PREFETCH:
-            rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
-                                 BLOCK_N, PER_BLOCK)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+    if not FROM_SCRATCH:
+        for n0 in range(mid, hi_gathered, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < hi
+            if not PREFETCH:
+                rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
+            if K_T:
+                k = tl.load(k_cache_ptr + rows[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+                s = tl.dot(q, k, input_precision=PRECISION)
+            else:
+                k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
+            if window > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if PREFETCH:
+                rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
+                                     BLOCK_N, PER_BLOCK)
+            m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
     if NEW_KV:
         for n0 in range(hi_gathered, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -413,7 +422,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     half-precision tiles of 128 keys in three stages once needed 393 KB of shared memory at
     head_dim 128 in float32, past the H200's 227 KB."""
     block_g = triton.next_power_of_2(group)
-    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True}
+    switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True, "FROM_SCRATCH": False}
     if not on_gpu:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **switches}
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_QUERY:
@@ -431,7 +440,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
         # cached (45.8%), 28.6% on 64 x 600 (20.9%), 49.7% on one prompt of 4,096 (39.0%).
         # PER_BLOCK reached 40.1% on 8 x 1,000 but 18.1% after a cached prefix.
         return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **switches}
-    plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False}
+    plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False, "FROM_SCRATCH": False}
     if itemsize > 2:
         # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages. At
         # head_dim 256 and a group of 8, 16 positions x 8 heads (128 rows) took 213 KB of
@@ -507,6 +516,7 @@ def paged_prefill_attention(
     if config["NEW_KV"]:
         k_new, v_new = step_kv_descriptor(k, k_cache, config["BLOCK_N"]), step_kv_descriptor(v, v_cache, config["BLOCK_N"])
         config["NEW_KV"] = k_new is not None and v_new is not None
+    config["FROM_SCRATCH"] = config["FROM_SCRATCH"] and config["NEW_KV"]
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_new, v_new, block_tables, context_lens, cu_seqlens_q, out, scale,
