@@ -36,6 +36,9 @@ class Context:
     # Host-side bounds that size kernel launch grids without a device sync.
     max_seqlen_q: int = 0
     max_context_len: int = 0
+    # Does every sequence of the step start at position 0 (prompts from scratch: no cached
+    # keys, no decode rows)? The prefill kernel then reads only the step's own keys.
+    from_scratch: bool = False
     # Hybrid models (Gated DeltaNet layers keep a fixed-size state per sequence instead of
     # K/V): each sequence's state slot, shape [num_seqs] (-1 marks a padding row), and
     # whether it continues from that slot's state (1) or starts from zeros (0, first chunk).

@@ -8,7 +8,11 @@ under torch.profiler, kernels only, on an engine built as the benchmark builds i
     that ended it (the first kernel after an idle gap shows which step, or which part of a
     step, the GPU was waiting for).
 
-    python scripts/profile_throughput.py [--top 20] [--out profile.json]    # needs a CUDA GPU
+With ``--host`` the host's side is recorded too (the engine's named ranges, and the model
+runner's prepare / execute / sample), and each idle gap of the GPU is charged to what the
+host was doing when it began: the host work the GPU waited for.
+
+    python scripts/profile_throughput.py [--top 20] [--host] [--out profile.json]    # needs a CUDA GPU
 """
 import argparse
 import json
@@ -34,19 +38,40 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", help="write the tables as JSON here too")
+    parser.add_argument("--host", action="store_true", help="charge the GPU's idle gaps to the host's work")
     args = parser.parse_args()
     prompts, output_lens = make_workload()
     llm = LLM(str(model_checkpoint()), dtype="bfloat16", max_model_len=4096)
     llm.generate(WARMUP_PROMPT, SamplingParams(), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    if args.host:
+        from torch.autograd import record_function
+
+        from minivllm.engine.model_runner import ModelRunner
+
+        def ranged(name, fn):
+            def wrapper(*a, **k):
+                with record_function(name):
+                    return fn(*a, **k)
+            return wrapper
+
+        for name in ("prepare", "execute", "sample"):
+            setattr(ModelRunner, name, ranged(f"runner.{name}", getattr(ModelRunner, name)))
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         llm.generate(fresh_prompts(prompts, seed=3), params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+    events = prof.profiler.kineto_results.events()
+    kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
                      if e.device_type().name == "CUDA" and e.name() and not e.name().startswith("Memcpy"))
+    # The host's ranges, innermost last when they nest (sorted by start, longest first).
+    ranges = sorted(((e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type().name == "CPU"
+                     and (e.name().startswith("minivllm.") or e.name().startswith("runner."))),
+                    key=lambda r: (r[0], -r[1]))
+    gaps = []  # (start, end) of each idle gap over 20 us
     by_name = defaultdict(lambda: [0, 0.0])
     gaps_by_next = defaultdict(lambda: [0, 0.0])
     gaps_by_size = {label: [0, 0.0] for *_, label in GAP_BINS}
@@ -57,6 +82,8 @@ def main():
         entry[1] += (s1 - s0) / 1e9
         if s0 > end:  # an idle gap, ended by this kernel
             gap = s0 - end
+            if gap > 20e3:
+                gaps.append((end, s0))
             gaps_by_next[short(name)][0] += 1
             gaps_by_next[short(name)][1] += gap / 1e9
             for lo, hi, label in GAP_BINS:
@@ -79,10 +106,30 @@ def main():
     print(f"\nidle gaps by the kernel that ended them (top {args.top}):")
     for name, (n, t) in sorted(gaps_by_next.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"  {t:8.3f} s  {n:7d} gaps  {name}")
+    by_host = defaultdict(lambda: [0, 0.0])
+    if ranges:
+        import bisect
+
+        starts = [r[0] for r in ranges]
+        for g0, g1 in gaps:
+            # The innermost host range open when the gap began (the latest-starting one that
+            # contains g0), else "between ranges".
+            i = bisect.bisect_right(starts, g0)
+            inside = [r for r in ranges[max(0, i - 64):i] if r[1] > g0]
+            name = inside[-1][2] if inside else "(outside the engine's ranges)"
+            by_host[name][0] += 1
+            by_host[name][1] += (g1 - g0) / 1e9
+        print("\nidle gaps over 20 us by what the host was doing when they began:")
+        for name, (n, t) in sorted(by_host.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {t:8.3f} s  {n:7d} gaps  {name}")
+        for name in sorted({r[2] for r in ranges}):
+            spans = [(r[1] - r[0]) / 1e9 for r in ranges if r[2] == name]
+            print(f"  host range {name:22s} {len(spans):6d}x  {sum(spans):7.3f} s in all, mean {1e3 * sum(spans) / len(spans):.3f} ms")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"wall_seconds": wall, "span_seconds": span, "busy_seconds": busy / 1e9, "kernels": len(kernels),
-                       "by_name": dict(by_name), "gaps_by_size": gaps_by_size, "gaps_by_next": dict(gaps_by_next)},
+                       "by_name": dict(by_name), "gaps_by_size": gaps_by_size, "gaps_by_next": dict(gaps_by_next),
+                       "gaps_by_host": dict(by_host)},
                       f, indent=1)
 
 

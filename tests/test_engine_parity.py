@@ -163,3 +163,27 @@ def test_colliding_hashes_do_not_change_outputs(tiny_qwen3, reference, monkeypat
     assert tokens(outputs) == reference
     assert cache_hits(llm) > 0  # some lookups were real hits
     check_trace(llm)
+
+
+def test_from_scratch_names_exactly_the_steps_without_cached_keys(tiny_qwen3, monkeypatch):
+    """Context.from_scratch lets the prefill kernel skip its loads of cached keys (the
+    FROM_SCRATCH variant): it must be set exactly when every sequence of the step starts at
+    position 0, i.e. each sequence's context is its query. Chunked prefill, prefix hits and
+    decode rows all make steps where it is not."""
+    from minivllm.context import get_context
+    from minivllm.engine.model_runner import ModelRunner
+
+    seen = []
+    execute = ModelRunner.execute
+
+    def recording(self, input_ids, positions):
+        ctx = get_context()
+        q_lens = (ctx.cu_seqlens_q[1:] - ctx.cu_seqlens_q[:-1]).tolist()
+        seen.append((ctx.from_scratch, ctx.context_lens.tolist() == q_lens))
+        return execute(self, input_ids, positions)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    llm, outputs = run(tiny_qwen3, num_kv_blocks=256, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
+    assert was_chunked(llm) and any(o.num_cached_tokens for o in outputs)
+    assert all(flag == truth for flag, truth in seen), seen
+    assert {flag for flag, _ in seen} == {True, False}

@@ -112,6 +112,34 @@ def test_prefill_graphs_replay_one_sequence_steps(tmp_path):
         assert all(a is None or abs(a - b) < 1e-4 for a, b in zip(got, want))
 
 
+def test_prompts_from_scratch_replay_their_own_prefill_graphs(tmp_path, monkeypatch):
+    """bfloat16: a one-sequence prompt from scratch of 512 tokens or more replays the twin
+    of its prefill graph whose attention reads only the step's own keys (FROM_SCRATCH); a
+    chunk after a cached prefix replays the general graph. Greedy tokens equal an eager
+    engine's with every key gathered through the block table."""
+    from minivllm.kernels import paged_attention
+
+    path = make_tiny_checkpoint(tmp_path, seed=12, dtype=torch.bfloat16, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(0, 512, (640,), generator=g).tolist()
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (600, 1000, 513)]
+    prompts += [shared, shared + torch.randint(0, 512, (300,), generator=g).tolist()]  # the last: 640 cached
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, max_num_batched_tokens=1024)
+    graphed = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    runner = llm.engine.runner
+    assert sorted(runner.scratch_graphs) == [512, 768, 1024]
+    assert runner.scratch_graph_replays[768] >= 2 and runner.scratch_graph_replays[1024] >= 1, runner.scratch_graph_replays
+    assert runner.prefill_graph_replays[512] > runner.scratch_graph_replays[512], "the cached chunk: the general graph"
+    llm.shutdown()
+    default = paged_attention.prefill_config
+    monkeypatch.setattr(paged_attention, "prefill_config", lambda *a, **k: {**default(*a, **k), "NEW_KV": False})
+    llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.1, max_num_batched_tokens=1024)
+    gathered = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm.shutdown()
+    assert graphed == gathered
+
+
 def test_kv_pool_sized_from_measured_memory(tmp_path):
     path = make_tiny_checkpoint(tmp_path, seed=9, dtype=torch.bfloat16)
     small = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)

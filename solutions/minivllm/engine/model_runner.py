@@ -69,6 +69,8 @@ class StepInputs:
     # tokens (prompt_targets), and how many alternatives each reports.
     num_prompt_logits: int = 0
     prompt_top_k: int = 0
+    # Every sequence starts at position 0 (Context.from_scratch).
+    from_scratch: bool = False
 
     @staticmethod
     def sizes(num_tokens: int, num_seqs: int, block_table_width: int, num_logits: int,
@@ -188,6 +190,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.scratch_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same for prompts from scratch
         self.verify_graphs: PaddedGraphs | None = None  # speculative decoding's verifying steps
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
@@ -277,13 +280,19 @@ class ModelRunner:
         inside the user's first run: mixed steps (a prompt from scratch, a chunk after a
         cached prefix, a decode row) of a few, a few hundred and a few thousand tokens (the
         matrix-vector path, the GEMM path, the MoE kernel's tile sizes), and without CUDA
-        graphs a decode step. The kernels do not specialise on what varies from step to step
-        (``do_not_specialize``, aligned fields), so these steps reach every variant a run
-        can. They write into the first KV blocks and state slots, which hold nothing yet."""
+        graphs a decode step; then a prompt from scratch of the whole step budget. The
+        kernels do not specialise on what varies from step to step (``do_not_specialize``,
+        aligned fields), so these steps reach every variant a run can. They write into the
+        first KV blocks and state slots, which hold nothing yet."""
         bs, limit = self.block_size, min(self.config.max_num_batched_tokens, self.max_model_len)
         num_seqs = min(3, self.config.max_num_seqs)
         shapes = [[(max(1, min(n, limit) - num_seqs + 1), 0), (1, bs + 1), (1, 2)][:num_seqs]
                   for n in COMPILE_STEP_TOKENS]
+        # And one prompt from scratch of the whole step budget: the prefill kernel's
+        # FROM_SCRATCH variant, and the matmuls of the widest steps (cuBLAS loads a kernel
+        # the first time it picks it: for the largest shapes, inside the user's first prefill
+        # steps otherwise).
+        shapes.append([(limit, 0)])
         if not self.graphs:
             shapes.append([(1, bs + 1), (1, 2)][: num_seqs])
         logits = None
@@ -308,7 +317,8 @@ class ModelRunner:
             fields["logits_indices"] = [end - 1 for end in fields["cu_seqlens_q"][1:]]
             step = StepInputs.pack(fields, tables, is_prefill=any(n > 1 for n, _ in shape[: len(tables)]),
                                    max_seqlen_q=max(n for n, _ in shape[: len(tables)]),
-                                   logits_of_every_sequence=True)
+                                   logits_of_every_sequence=True,
+                                   from_scratch=not any(cached for _, cached in shape[: len(tables)]))
             # ModelRunner's own upload, not a tensor-parallel rank 0's (which would also send
             # the step to the workers): every rank runs these same steps in its own start-up.
             input_ids, positions = ModelRunner.upload(self, step)
@@ -370,7 +380,7 @@ class ModelRunner:
              "prompt_rows": prompt_rows, "prompt_targets": prompt_targets},
             [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
             max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))) and not batch.num_drafts,
-            prompt_top_k=prompt_top_k)
+            prompt_top_k=prompt_top_k, from_scratch=not any(seq.num_computed_tokens for seq in batch.seqs))
         input_ids, positions = self.upload(step, previous[0] if pending_dst else None)
         if self.state_layers:  # hybrid models (one device only): each row's state slot
             self._set_state_slots(state_metadata(batch.seqs, batch.num_drafts))
@@ -417,6 +427,7 @@ class ModelRunner:
             prompt_logits_indices=f["prompt_rows"] if step.num_prompt_logits else None,
             prompt_targets=f["prompt_targets"] if step.num_prompt_logits else None,
             prompt_top_k=step.prompt_top_k,
+            from_scratch=step.from_scratch,
         )
         return f["input_ids"], f["positions"]
 
@@ -518,6 +529,7 @@ class ModelRunner:
         collector frees the model.)"""
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.scratch_graphs.clear()
         if self.verify_graphs is not None:
             self.verify_graphs.clear()
         self.static = self.prefill_static = self.kv_cache = self.model = self.layers = self.state_layers = None
@@ -594,7 +606,18 @@ class ModelRunner:
                         context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
                         max_context_len=self.max_model_len)
             self.prefill_graphs[t] = self._capture(s, t, pool)
-        self.prefill_graph_replays = dict.fromkeys(self.prefill_graph_sizes, 0)
+        # From SCRATCH_GRAPH_TOKENS up, where attention is a large share of the step, a
+        # second graph for a prompt from scratch (Context.from_scratch): its prefill kernel
+        # is compiled without the loads of cached keys, and runs faster for it.
+        for t in reversed([t for t in self.prefill_graph_sizes if t >= SCRATCH_GRAPH_TOKENS]):
+            s["cu_seqlens_q"][1] = t
+            s["context_lens"][0] = t
+            set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"], slot_mapping=s["slot_mapping"][:t],
+                        context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
+                        max_context_len=self.max_model_len, from_scratch=True)
+            self.scratch_graphs[t] = self._capture(s, t, pool)
+        self.prefill_graph_replays = dict.fromkeys(self.prefill_graph_sizes, 0)  # of either graph of a size
+        self.scratch_graph_replays = dict.fromkeys(self.scratch_graphs, 0)
 
     def _capture_verify_graphs(self, pool) -> None:
         """Speculative decoding: one graph per decode batch size (whose step fits the token
@@ -663,7 +686,11 @@ class ModelRunner:
         s["context_lens"].copy_(ctx.context_lens)
         s["cu_seqlens_q"].copy_(ctx.cu_seqlens_q)
         s["block_tables"][:, : ctx.block_tables.shape[1]] = ctx.block_tables
-        self.prefill_graphs[t].replay()
+        if ctx.from_scratch and t in self.scratch_graphs:
+            self.scratch_graphs[t].replay()
+            self.scratch_graph_replays[t] += 1
+        else:
+            self.prefill_graphs[t].replay()
         self.prefill_graph_replays[t] += 1
         return s["hidden"][:n]
 
@@ -713,6 +740,8 @@ GRAPH_INPUTS = [
 # powers of two, then halfway points, so that padding at most doubles a short step and adds
 # at most half to a long one, where the GPU work starts to outweigh the launches.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# The prefill graphs that get a twin for prompts from scratch (ModelRunner.scratch_graphs).
+SCRATCH_GRAPH_TOKENS = 512
 
 MAX_GRAPH_BATCH_SIZE = 512
 

@@ -107,7 +107,7 @@ def varlen_attention(
         if ctx.is_prefill:
             return paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
-                sliding_window=sliding_window, k=k, v=v)
+                sliding_window=sliding_window, k=k, v=v, config={"FROM_SCRATCH": True} if ctx.from_scratch else None)
         return paged_attention.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len,
             sliding_window=sliding_window)
