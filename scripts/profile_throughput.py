@@ -45,7 +45,7 @@ def main():
     llm.generate(WARMUP_PROMPT, SamplingParams(), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     if args.host:
-        from torch.autograd import record_function
+        from torch.profiler import record_function
 
         from minivllm.engine.model_runner import ModelRunner
 
@@ -65,8 +65,9 @@ def main():
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.profiler.kineto_results.events()
+    # (The host's ranges show on the GPU's timeline too, as annotations: not kernels.)
     kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
-                     if e.device_type().name == "CUDA" and e.name() and not e.name().startswith("Memcpy"))
+                     if e.device_type().name == "CUDA" and e.name() and not e.name().startswith(("Memcpy", "runner.", "minivllm.")))
     # The host's ranges, innermost last when they nest (sorted by start, longest first).
     ranges = sorted(((e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type().name == "CPU"
                      and (e.name().startswith("minivllm.") or e.name().startswith("runner."))),
@@ -76,6 +77,7 @@ def main():
     gaps_by_next = defaultdict(lambda: [0, 0.0])
     gaps_by_size = {label: [0, 0.0] for *_, label in GAP_BINS}
     busy, end = 0, kernels[0][0]
+    previous = ""
     for s0, s1, name in kernels:
         entry = by_name[short(name)]
         entry[0] += 1
@@ -83,7 +85,7 @@ def main():
         if s0 > end:  # an idle gap, ended by this kernel
             gap = s0 - end
             if gap > 20e3:
-                gaps.append((end, s0))
+                gaps.append((end, s0, previous, name))
             gaps_by_next[short(name)][0] += 1
             gaps_by_next[short(name)][1] += gap / 1e9
             for lo, hi, label in GAP_BINS:
@@ -93,6 +95,7 @@ def main():
         if s1 > end:
             busy += s1 - max(s0, end)
             end = s1
+        previous = name
     span = (end - kernels[0][0]) / 1e9
     idle = span - busy / 1e9
     print(f"wall {wall:.3f} s under the profiler; first to last kernel {span:.3f} s; GPU busy {busy / 1e9:.3f} s "
@@ -111,7 +114,9 @@ def main():
         import bisect
 
         starts = [r[0] for r in ranges]
-        for g0, g1 in gaps:
+        steps = [r[0] for r in ranges if r[2] == "runner.execute"]
+        largest = []
+        for g0, g1, before, after in gaps:
             # The innermost host range open when the gap began (the latest-starting one that
             # contains g0), else "between ranges".
             i = bisect.bisect_right(starts, g0)
@@ -119,6 +124,18 @@ def main():
             name = inside[-1][2] if inside else "(outside the engine's ranges)"
             by_host[name][0] += 1
             by_host[name][1] += (g1 - g0) / 1e9
+            largest.append(((g1 - g0) / 1e3, bisect.bisect_right(steps, g0), name, short(before), short(after)))
+        print("\nthe largest idle gaps: us, engine step, host range at its start, kernel before, kernel after")
+        for row in sorted(largest, reverse=True)[: args.top]:
+            print(f"  {row[0]:8.0f}  {row[1]:5d}  {row[2]:20s} {row[3][:40]:40s} {row[4][:40]}")
+        # What the host was inside of (any recorded call, innermost first) as the largest gaps began.
+        calls = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type().name == "CPU")
+        call_starts = [c[0] for c in calls]
+        for g0, g1, *_ in sorted(gaps, key=lambda g: g[0] - g[1])[:5]:
+            i = bisect.bisect_right(call_starts, g0)
+            open_calls = sorted((c for c in calls[max(0, i - 2000):i] if c[1] > g0), key=lambda c: -c[0])[:6]
+            print(f"  gap of {(g1 - g0) / 1e3:.0f} us: " + " < ".join(
+                f"{c[2][:40]} ({(c[1] - c[0]) / 1e3:.0f} us, ends {(c[1] - g0) / 1e3:+.0f})" for c in open_calls))
         print("\nidle gaps over 20 us by what the host was doing when they began:")
         for name, (n, t) in sorted(by_host.items(), key=lambda kv: -kv[1][1]):
             print(f"  {t:8.3f} s  {n:7d} gaps  {name}")

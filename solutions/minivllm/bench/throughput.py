@@ -112,15 +112,18 @@ def timed_run(llm, prompts, output_lens) -> dict:
 
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     before = dict(llm.engine.stats)
+    device_allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
     with triton_compiles() as compiled, gc_pauses() as collector:
         outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    # cudaMalloc calls inside the run (the caching allocator growing): each can leave the GPU idle.
+    device_allocs = (torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0) - device_allocs
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
     stats = {k: llm.engine.stats[k] - before.get(k, 0) for k in ("prefill_seconds", "decode_seconds")}
     return {"output_tokens": output_tokens, "seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
             "prefill_step_seconds": stats["prefill_seconds"], "decode_step_seconds": stats["decode_seconds"],
             "triton_compiles": len(compiled), "compiled": sorted(set(c.split("[")[0] for c in compiled)),
-            "garbage_collector": collector}
+            "garbage_collector": collector, "device_allocations": device_allocs}
 
 
 def gpu_busy(llm, prompts, output_lens) -> dict:
