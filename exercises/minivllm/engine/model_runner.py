@@ -326,18 +326,9 @@ class ModelRunner:
             if self.state_layers:  # slots 0.., starting from zeros
                 self._set_state_slots(np.array([range(len(tables)), [0] * len(tables)], dtype=np.int64))
             logits, _ = self.execute(input_ids, positions)
-        if logits is not None:
-            # The LM head and the sampler at the most rows a step samples (every sequence
-            # of a full batch, eagerly in a mixed step), greedy rows and tempered ones: their
-            # kernels, and device memory for the widest logits. Without it the first run's
-            # prefill steps each allocated wider logits than any step before them (their
-            # sampled rows grow as prompts finish), each a cudaMalloc that left the GPU idle.
-            hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.config.dtype,
-                                 device=self.device)
-            logits = self.model.compute_logits(hidden, all_tokens=True)
+        if logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
             rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
             self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
-            del hidden, logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
