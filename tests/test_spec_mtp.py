@@ -236,7 +236,10 @@ def test_drafts_equal_the_reference(mtp_checkpoint, tmp_path, family, engine):
     prompts, params = workload(seed=2)
     want, got, spec, recorder = run_with_recorder(checkpoint, prompts, params, 3, ENGINES[engine] | {
         "record_trace": True})
-    same_outputs(want, got)
+    # Logprobs to float32 rounding, relative: a verifying step computes a sequence's rows in
+    # other matmul shapes than a decode step, and on some CPUs a logprob near -10 then
+    # differs in its sixth digit (1.05e-5 seen on an EPYC).
+    same_outputs(want, got, rel=1e-5)
     assert set(recorder.oracle.lengths) == {0, 1, 2, 3}, dict(recorder.oracle.lengths)
     if engine == "tight":
         assert any(r.preempted for r in spec.engine.trace), "the tight pool never preempted"
