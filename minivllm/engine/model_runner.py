@@ -599,23 +599,18 @@ class ModelRunner:
             "cu_seqlens_q": torch.zeros(2, dtype=i64, device=dev),
             "hidden": torch.zeros(top, self.model_config.hidden_size, dtype=self.config.dtype, device=dev),
         }
+        # From SCRATCH_GRAPH_TOKENS up, where attention is a large share of the step, each
+        # size gets a second graph for a prompt from scratch (Context.from_scratch): its
+        # prefill kernel is compiled without the loads of cached keys, and runs faster for it.
         for t in reversed(self.prefill_graph_sizes):
-            s["cu_seqlens_q"][1] = t
-            s["context_lens"][0] = t
-            set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"], slot_mapping=s["slot_mapping"][:t],
-                        context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
-                        max_context_len=self.max_model_len)
-            self.prefill_graphs[t] = self._capture(s, t, pool)
-        # From SCRATCH_GRAPH_TOKENS up, where attention is a large share of the step, a
-        # second graph for a prompt from scratch (Context.from_scratch): its prefill kernel
-        # is compiled without the loads of cached keys, and runs faster for it.
-        for t in reversed([t for t in self.prefill_graph_sizes if t >= SCRATCH_GRAPH_TOKENS]):
-            s["cu_seqlens_q"][1] = t
-            s["context_lens"][0] = t
-            set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"], slot_mapping=s["slot_mapping"][:t],
-                        context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
-                        max_context_len=self.max_model_len, from_scratch=True)
-            self.scratch_graphs[t] = self._capture(s, t, pool)
+            for from_scratch in (False, True) if t >= SCRATCH_GRAPH_TOKENS else (False,):
+                s["cu_seqlens_q"][1] = t
+                s["context_lens"][0] = t
+                set_context(is_prefill=True, cu_seqlens_q=s["cu_seqlens_q"], slot_mapping=s["slot_mapping"][:t],
+                            context_lens=s["context_lens"], block_tables=s["block_tables"], max_seqlen_q=t,
+                            max_context_len=self.max_model_len, from_scratch=from_scratch)
+                graphs = self.scratch_graphs if from_scratch else self.prefill_graphs
+                graphs[t] = self._capture(s, t, pool)
         self.prefill_graph_replays = dict.fromkeys(self.prefill_graph_sizes, 0)  # of either graph of a size
         self.scratch_graph_replays = dict.fromkeys(self.scratch_graphs, 0)
 

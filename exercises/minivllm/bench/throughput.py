@@ -116,11 +116,14 @@ def timed_run(llm, prompts, output_lens) -> dict:
 
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     before = dict(llm.engine.stats)
-    device_allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+    # cudaMalloc calls inside the run (the caching allocator growing): each can leave the GPU idle.
+    def device_allocations() -> int:
+        return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+    before_allocs = device_allocations()
     with triton_compiles() as compiled, gc_pauses() as collector:
         outputs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    # cudaMalloc calls inside the run (the caching allocator growing): each can leave the GPU idle.
-    device_allocs = (torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0) - device_allocs
+    device_allocs = device_allocations() - before_allocs
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "every request must produce exactly max_tokens tokens"
     stats = {k: llm.engine.stats[k] - before.get(k, 0) for k in ("prefill_seconds", "decode_seconds")}
