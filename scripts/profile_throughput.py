@@ -10,7 +10,11 @@ under torch.profiler, kernels only, on an engine built as the benchmark builds i
 
 With ``--host`` the host's side is recorded too (the engine's named ranges, and the model
 runner's prepare / execute / sample), and each idle gap of the GPU is charged to what the
-host was doing when it began: the host work the GPU waited for.
+host was doing when it began: the host work the GPU waited for. It also splits the run by
+step: each step's window on the GPU (from its first kernel to the next step's), the idle
+time in it and the host's time in the step's launch and process, summed by the kind of step
+(prefill only, mixed, decode by batch size), so that one can see which steps the host is
+behind in.
 
     python scripts/profile_throughput.py [--top 20] [--host] [--out profile.json]    # needs a CUDA GPU
 """
@@ -39,9 +43,10 @@ def main():
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", help="write the tables as JSON here too")
     parser.add_argument("--host", action="store_true", help="charge the GPU's idle gaps to the host's work")
+    parser.add_argument("--engine", type=json.loads, default={}, help="EngineConfig fields, as a JSON object")
     args = parser.parse_args()
     prompts, output_lens = make_workload()
-    llm = LLM(str(model_checkpoint()), dtype="bfloat16", max_model_len=4096)
+    llm = LLM(str(model_checkpoint()), dtype="bfloat16", max_model_len=4096, **args.engine)
     llm.generate(WARMUP_PROMPT, SamplingParams(), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     if args.host:
@@ -57,6 +62,14 @@ def main():
 
         for name in ("prepare", "execute", "sample"):
             setattr(ModelRunner, name, ranged(f"runner.{name}", getattr(ModelRunner, name)))
+        batches = []  # (sequences, tokens, decode rows) of each step, in order
+        prepare = ModelRunner.prepare
+
+        def recorded(self, batch, *a, **k):
+            batches.append((len(batch.seqs), sum(batch.num_new_tokens), sum(n == 1 for n in batch.num_new_tokens)))
+            return prepare(self, batch, *a, **k)
+
+        ModelRunner.prepare = recorded
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
     with profile(activities=activities) as prof:
@@ -142,12 +155,76 @@ def main():
         for name in sorted({r[2] for r in ranges}):
             spans = [(r[1] - r[0]) / 1e9 for r in ranges if r[2] == name]
             print(f"  host range {name:22s} {len(spans):6d}x  {sum(spans):7.3f} s in all, mean {1e3 * sum(spans) / len(spans):.3f} ms")
+    by_step = step_table(events, kernels, batches) if ranges else {}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"wall_seconds": wall, "span_seconds": span, "busy_seconds": busy / 1e9, "kernels": len(kernels),
                        "by_name": dict(by_name), "gaps_by_size": gaps_by_size, "gaps_by_next": dict(gaps_by_next),
-                       "gaps_by_host": dict(by_host)},
+                       "gaps_by_host": dict(by_host), "by_step_kind": by_step},
                       f, indent=1)
+
+
+def step_kind(seqs: int, tokens: int, decodes: int) -> str:
+    if decodes == 0:
+        return "prefill only"
+    if decodes < seqs:
+        return "mixed"
+    for low in (256, 128, 32, 8, 1):
+        if seqs >= low:
+            return f"decode, {low}+ rows"
+    return "decode"
+
+
+def step_table(events, kernels, batches) -> dict:
+    """Each step's share of the GPU's timeline and of the host's, summed by kind of step.
+    A step's window on the GPU runs from the start of its launch range there (the range's
+    annotation on the device: its first kernel) to the next step's; the GPU's idle time in
+    the window is what the step's kernels waited for."""
+    import bisect
+
+    def spans(device: str, name: str):
+        return sorted((e.start_ns(), e.end_ns()) for e in events if e.device_type().name == device and e.name() == name)
+
+    gpu = spans("CUDA", "minivllm.launch")
+    host = {name: spans("CPU", name) for name in ("minivllm.launch", "minivllm.process", "runner.execute", "runner.sample")}
+    launches = host["minivllm.launch"]
+    if not (len(gpu) == len(launches) == len(batches)):
+        print(f"\nno table by step: {len(gpu)} launch ranges on the GPU, {len(launches)} on the host, {len(batches)} steps")
+        return {}
+    starts = [g[0] for g in gpu]
+    idle = [0] * len(gpu)
+    end = kernels[0][0]
+    for s0, s1, _ in kernels:
+        if s0 > end:
+            i = bisect.bisect_right(starts, s0) - 1
+            if i >= 0:
+                idle[i] += s0 - end
+        end = max(end, s1)
+    inside = {}  # host time of each named call inside each launch range
+    for name in ("runner.execute", "runner.sample"):
+        times = [0] * len(launches)
+        for s0, s1 in host[name]:
+            i = bisect.bisect_right([l[0] for l in launches], s0) - 1
+            if i >= 0 and s1 <= launches[i][1]:
+                times[i] += s1 - s0
+        inside[name] = times
+    process = host["minivllm.process"]
+    table = {}
+    for i, (seqs, tokens, decodes) in enumerate(batches):
+        window = (starts[i + 1] if i + 1 < len(starts) else end) - starts[i]
+        row = table.setdefault(step_kind(seqs, tokens, decodes), [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += window / 1e9
+        row[2] += idle[i] / 1e9
+        row[3] += (launches[i][1] - launches[i][0]) / 1e9
+        row[4] += inside["runner.execute"][i] / 1e9
+        row[5] += inside["runner.sample"][i] / 1e9
+        row[6] += (process[i][1] - process[i][0]) / 1e9 if i < len(process) else 0.0
+    print("\nby kind of step: steps, GPU window s, GPU idle s; host s in launch (of it execute, sample), in process")
+    for kind, (n, w, idle_s, launch, execute, sample, proc) in table.items():
+        print(f"  {kind:20s} {n:5d}  {w:7.3f}  {idle_s:6.3f}   {launch:6.3f} ({execute:6.3f}, {sample:6.3f})  {proc:6.3f}")
+    return {kind: dict(zip(("steps", "gpu_window_s", "gpu_idle_s", "host_launch_s", "host_execute_s", "host_sample_s",
+                            "host_process_s"), row)) for kind, row in table.items()}
 
 
 if __name__ == "__main__":
