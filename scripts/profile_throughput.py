@@ -155,7 +155,7 @@ def main():
         for name in sorted({r[2] for r in ranges}):
             spans = [(r[1] - r[0]) / 1e9 for r in ranges if r[2] == name]
             print(f"  host range {name:22s} {len(spans):6d}x  {sum(spans):7.3f} s in all, mean {1e3 * sum(spans) / len(spans):.3f} ms")
-    by_step = step_table(events, kernels, batches) if ranges else {}
+    by_step = step_table(events, batches) if ranges else {}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"wall_seconds": wall, "span_seconds": span, "busy_seconds": busy / 1e9, "kernels": len(kernels),
@@ -175,43 +175,54 @@ def step_kind(seqs: int, tokens: int, decodes: int) -> str:
     return "decode"
 
 
-def step_table(events, kernels, batches) -> dict:
+def step_table(events, batches) -> dict:
     """Each step's share of the GPU's timeline and of the host's, summed by kind of step.
-    A step's window on the GPU runs from the start of its launch range there (the range's
-    annotation on the device: its first kernel) to the next step's; the GPU's idle time in
-    the window is what the step's kernels waited for."""
+    A kernel belongs to the step whose launch range was open on the host when it was
+    launched (matched by the profiler's correlation id); a step's window on the GPU runs from
+    its first kernel to the next step's, and the GPU's idle time before each of its kernels
+    is what the step's work waited for."""
     import bisect
 
-    def spans(device: str, name: str):
-        return sorted((e.start_ns(), e.end_ns()) for e in events if e.device_type().name == device and e.name() == name)
+    def spans(name: str):
+        return sorted((e.start_ns(), e.end_ns()) for e in events if e.device_type().name == "CPU" and e.name() == name)
 
-    gpu = spans("CUDA", "minivllm.launch")
-    host = {name: spans("CPU", name) for name in ("minivllm.launch", "minivllm.process", "runner.execute", "runner.sample")}
-    launches = host["minivllm.launch"]
-    if not (len(gpu) == len(launches) == len(batches)):
-        print(f"\nno table by step: {len(gpu)} launch ranges on the GPU, {len(launches)} on the host, {len(batches)} steps")
+    launches = spans("minivllm.launch")
+    if len(launches) != len(batches) + 1 and len(launches) != len(batches):
+        print(f"\nno table by step: {len(launches)} launch ranges on the host, {len(batches)} steps")
         return {}
-    starts = [g[0] for g in gpu]
-    idle = [0] * len(gpu)
+    # (A kernel names the host call that launched it by its linked correlation id.)
+    kernels = sorted((e.start_ns(), e.end_ns(), e.linked_correlation_id() or e.correlation_id()) for e in events
+                     if e.device_type().name == "CUDA" and e.name() and not e.name().startswith(("runner.", "minivllm.")))
+    ids = {k[2] for k in kernels}
+    launched_at = {e.correlation_id(): e.start_ns() for e in events
+                   if e.device_type().name == "CPU" and e.correlation_id() in ids}
+    print(f"\n{sum(k[2] in launched_at for k in kernels)} of {len(kernels)} kernels matched to their launch on the host")
+    starts = [l[0] for l in launches]
+    first = [None] * len(launches)  # each step's first kernel on the GPU
+    idle = [0] * len(launches)
     end = kernels[0][0]
-    for s0, s1, _ in kernels:
+    for s0, s1, cid in kernels:
+        i = max(0, bisect.bisect_right(starts, launched_at.get(cid, s0)) - 1)
+        if first[i] is None:
+            first[i] = s0
         if s0 > end:
-            i = bisect.bisect_right(starts, s0) - 1
-            if i >= 0:
-                idle[i] += s0 - end
+            idle[i] += s0 - end
         end = max(end, s1)
     inside = {}  # host time of each named call inside each launch range
     for name in ("runner.execute", "runner.sample"):
         times = [0] * len(launches)
-        for s0, s1 in host[name]:
-            i = bisect.bisect_right([l[0] for l in launches], s0) - 1
+        for s0, s1 in spans(name):
+            i = bisect.bisect_right(starts, s0) - 1
             if i >= 0 and s1 <= launches[i][1]:
                 times[i] += s1 - s0
         inside[name] = times
-    process = host["minivllm.process"]
+    process = spans("minivllm.process")
+    known = [f for f in first if f is not None] + [end]
     table = {}
     for i, (seqs, tokens, decodes) in enumerate(batches):
-        window = (starts[i + 1] if i + 1 < len(starts) else end) - starts[i]
+        if first[i] is None:
+            continue
+        window = known[known.index(first[i]) + 1] - first[i]
         row = table.setdefault(step_kind(seqs, tokens, decodes), [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         row[0] += 1
         row[1] += window / 1e9

@@ -76,3 +76,36 @@ def test_startup_is_timed_by_phase(tiny_qwen3):
     phases = LLM(str(tiny_qwen3)).engine.runner.startup_seconds
     assert set(phases) == {"load_weights", "kv_cache"}
     assert all(seconds > 0 for seconds in phases.values())
+
+
+def test_matmuls_are_warmed_at_every_row_count_a_run_reaches(tiny_qwen3, monkeypatch):
+    """The GEMM library picks (and first loads) a kernel by the row count, so start-up runs
+    every linear layer at each count up to max_num_seqs and at a stride up to the step budget,
+    and the LM head at each count of sampled rows (``ModelRunner.warm_matmuls``)."""
+    import torch
+
+    import minivllm.ops.linear
+    from minivllm.engine.model_runner import MATMUL_WARM_STEP
+
+    llm = LLM(str(tiny_qwen3), max_num_batched_tokens=300, max_num_seqs=40)
+    runner = llm.engine.runner
+    seen = {}
+    op, head = minivllm.ops.linear.linear, torch.nn.functional.linear
+
+    def recording(fn):
+        def call(x, weight, *args):
+            seen.setdefault(tuple(weight.shape), set()).add(x.shape[0])
+            return fn(x, weight, *args)
+        return call
+
+    monkeypatch.setattr(minivllm.ops.linear, "linear", recording(op))
+    monkeypatch.setattr(torch.nn.functional, "linear", recording(head))
+    runner.warm_matmuls()
+    config = runner.model_config
+    shapes = {tuple(p.shape) for name, p in runner.model.named_parameters() if p.dim() == 2 and "embed" not in name}
+    assert shapes <= set(seen), f"not warmed: {shapes - set(seen)}"
+    expected = set(range(1, 41)) | set(range(MATMUL_WARM_STEP, 301, MATMUL_WARM_STEP)) | {300}
+    lm_head = (config.vocab_size, config.hidden_size)
+    for shape, counts in seen.items():
+        assert counts == (set(range(1, 41)) if shape == lm_head else expected), shape
+    assert lm_head in seen

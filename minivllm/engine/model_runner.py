@@ -125,6 +125,7 @@ class StepInputs:
 FIELD_ALIGN = 16
 # The sizes of the eager steps that compile_kernels runs at start-up, in tokens.
 COMPILE_STEP_TOKENS = (4, 256, 2048)
+MATMUL_WARM_STEP = 32  # warm_matmuls' stride in row counts above max_num_seqs
 WARMUP_MAX_SEQ_LEN = 1024
 # Prompt logprobs score many rows at once (a whole prompt chunk): their logits are computed
 # in slices of at most this many elements (rows x vocabulary, 64 MiB in float32), so the
@@ -193,6 +194,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             with self._startup_phase("compile_kernels"):
                 self.compile_kernels()
+            with self._startup_phase("warm_matmuls"):
+                self.warm_matmuls()
 
     @contextmanager
     def _startup_phase(self, name: str):
@@ -324,6 +327,45 @@ class ModelRunner:
         if logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
             rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
             self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warm_matmuls(self) -> None:
+        """Run every linear layer's matmul at the row counts a run can give it, so that the
+        GEMM library picks and loads its kernels here. It loads a kernel's code the first
+        time it chooses it (CUDA's lazy module loading), which blocks the host for
+        milliseconds, and it chooses by the row count: without this, the user's first run
+        paid that for each new number of tokens in an eager step and each new number of
+        sampled rows at the LM head (which runs outside the decode graphs), about 4 ms a
+        time. Row counts: every one up to ``max_num_seqs`` (decode batches, sampled rows),
+        then every ``MATMUL_WARM_STEP``-th up to the step budget. The library's choice
+        between two warmed counts is nearly always a kernel one of them loaded."""
+        from minivllm.layers.embed_head import LMHead
+        from minivllm.layers.linear import Linear
+        from minivllm.ops.linear import linear
+
+        budget = self.config.max_num_batched_tokens
+        few = range(1, min(self.config.max_num_seqs, budget) + 1)
+        counts = sorted(set(few) | set(range(MATMUL_WARM_STEP, budget + 1, MATMUL_WARM_STEP)) | {budget})
+        shapes = {}  # (this rank's weight shape, bias?) -> a layer's weight and bias
+        heads = {}
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                shapes.setdefault((tuple(module.weight.shape), module.bias is not None), (module.weight, module.bias))
+            elif isinstance(module, LMHead):
+                heads.setdefault(tuple(module.weight.shape), module.weight)
+        widest = max([w.shape[1] for w, _ in shapes.values()] + [w.shape[1] for w in heads.values()], default=0)
+        if widest == 0:
+            return
+        x = torch.randn(budget, widest, dtype=self.config.dtype, device=self.device)
+        for weight, bias in shapes.values():
+            for m in counts:
+                # (The layer's op, not the layer: no tensor-parallel collective here.)
+                linear(x[:m, : weight.shape[1]], weight, bias)
+        for weight in heads.values():  # the LM head's rows: at most one per sampled row
+            for m in few:
+                torch.nn.functional.linear(x[:m, : weight.shape[1]], weight)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
