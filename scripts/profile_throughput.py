@@ -149,6 +149,13 @@ def main():
             open_calls = sorted((c for c in calls[max(0, i - 2000):i] if c[1] > g0), key=lambda c: -c[0])[:6]
             print(f"  gap of {(g1 - g0) / 1e3:.0f} us: " + " < ".join(
                 f"{c[2][:40]} ({(c[1] - c[0]) / 1e3:.0f} us, ends {(c[1] - g0) / 1e3:+.0f})" for c in open_calls))
+        # And what the host did during the largest gaps: the calls of 0.3 ms or more inside each.
+        for g0, g1, *_ in sorted(gaps, key=lambda g: g[0] - g[1])[:8]:
+            i = bisect.bisect_left(call_starts, g0)
+            j = bisect.bisect_right(call_starts, g1)
+            long = [c for c in calls[i:j] if c[1] - c[0] >= 3e5]
+            print(f"  inside the gap of {(g1 - g0) / 1e3:.0f} us: " + ", ".join(
+                f"{c[2][:32]} at +{(c[0] - g0) / 1e3:.0f} for {(c[1] - c[0]) / 1e3:.0f} us" for c in long[:14]))
         print("\nidle gaps over 20 us by what the host was doing when they began:")
         for name, (n, t) in sorted(by_host.items(), key=lambda kv: -kv[1][1]):
             print(f"  {t:8.3f} s  {n:7d} gaps  {name}")
@@ -192,7 +199,7 @@ def step_table(events, batches) -> dict:
         return {}
     # (A kernel names the host call that launched it by its linked correlation id.)
     kernels = sorted((e.start_ns(), e.end_ns(), e.linked_correlation_id() or e.correlation_id()) for e in events
-                     if e.device_type().name == "CUDA" and e.name() and not e.name().startswith(("runner.", "minivllm.")))
+                     if e.device_type().name == "CUDA" and e.name() and not e.name().startswith(("Memcpy", "runner.", "minivllm.")))
     ids = {k[2] for k in kernels}
     launched_at = {e.correlation_id(): e.start_ns() for e in events
                    if e.device_type().name == "CPU" and e.correlation_id() in ids}
@@ -217,12 +224,14 @@ def step_table(events, batches) -> dict:
                 times[i] += s1 - s0
         inside[name] = times
     process = spans("minivllm.process")
-    known = [f for f in first if f is not None] + [end]
+    following = [end] * len(first)  # the next step's first kernel
+    for i in range(len(first) - 2, -1, -1):
+        following[i] = first[i + 1] if first[i + 1] is not None else following[i + 1]
     table = {}
     for i, (seqs, tokens, decodes) in enumerate(batches):
         if first[i] is None:
             continue
-        window = known[known.index(first[i]) + 1] - first[i]
+        window = following[i] - first[i]
         row = table.setdefault(step_kind(seqs, tokens, decodes), [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         row[0] += 1
         row[1] += window / 1e9
