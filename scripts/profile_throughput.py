@@ -62,6 +62,17 @@ def main():
 
         for name in ("prepare", "execute", "sample"):
             setattr(ModelRunner, name, ranged(f"runner.{name}", getattr(ModelRunner, name)))
+        # Finer host calls, named in the gaps' listing only (not ranges of the tables above).
+        from minivllm.engine.block_manager import BlockManager
+        from minivllm.engine.llm_engine import LLMEngine
+        from minivllm.engine.model_runner import StepInputs
+        from minivllm.layers.sampler import SampledTokens
+
+        for owner, name in ((ModelRunner, "upload"), (ModelRunner, "_to_device"), (SampledTokens, "to_host"),
+                            (LLMEngine, "_account"), (LLMEngine, "_prompt_logprob_rows"),
+                            (BlockManager, "allocate")):
+            setattr(owner, name, ranged(f"host.{owner.__name__}.{name}", getattr(owner, name)))
+        StepInputs.pack = classmethod(ranged("host.StepInputs.pack", StepInputs.pack.__func__))
         batches = []  # (sequences, tokens, decode rows) of each step, in order
         prepare = ModelRunner.prepare
 
