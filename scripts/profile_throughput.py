@@ -251,6 +251,23 @@ def step_table(events, batches) -> dict:
         row[4] += inside["runner.execute"][i] / 1e9
         row[5] += inside["runner.sample"][i] / 1e9
         row[6] += (process[i][1] - process[i][0]) / 1e9 if i < len(process) else 0.0
+    # The host calls inside the mixed steps' launches, by total time (nested calls counted in
+    # each of their callers too): where an eager step's host time goes.
+    mixed = [launches[i] for i, b in enumerate(batches) if step_kind(*b) == "mixed"]
+    if mixed:
+        mixed_starts = [m[0] for m in mixed]
+        calls = defaultdict(lambda: [0, 0.0])
+        for e in events:
+            if e.device_type().name != "CPU" or e.name().startswith("minivllm.launch"):
+                continue
+            i = bisect.bisect_right(mixed_starts, e.start_ns()) - 1
+            if i >= 0 and e.end_ns() <= mixed[i][1]:
+                calls[e.name()[:48]][0] += 1
+                calls[e.name()[:48]][1] += (e.end_ns() - e.start_ns()) / 1e9
+        print(f"\nhost calls inside the {len(mixed)} mixed steps' launches ({sum(m[1] - m[0] for m in mixed) / 1e9:.3f} s), "
+              "by total time:")
+        for name, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:25]:
+            print(f"  {t:7.3f} s {n:7d}x  {name}")
     print("\nby kind of step: steps, GPU window s, GPU idle s; host s in launch (of it execute, sample), in process")
     for kind, (n, w, idle_s, launch, execute, sample, proc) in table.items():
         print(f"  {kind:20s} {n:5d}  {w:7.3f}  {idle_s:6.3f}   {launch:6.3f} ({execute:6.3f}, {sample:6.3f})  {proc:6.3f}")
