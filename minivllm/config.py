@@ -222,7 +222,10 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # The step's token budget. None: 16,384 on a GPU (vLLM's LLM class and nano-vllm's
+    # default; an eager prefill step then has twice the GPU work of 8,192 for the same host
+    # work of launching it, so the host keeps ahead), 8,192 on the CPU.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -265,6 +268,8 @@ class EngineConfig:
                                  "tensor parallelism)")
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda") and self.tensor_parallel_size == 1
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 16384 if self.device.startswith("cuda") else 8192
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling=True needs tensor_parallel_size=1: under tensor parallelism only "
                              "rank 0 holds the sampled tokens the next step's inputs are made of")

@@ -222,3 +222,31 @@ def test_gpu_asynchronous_steps_follow_each_other_on_the_device():
         gaps[mode] = statistics.median(b[0] - a[1] for a, b in zip(spans, spans[1:]))  # microseconds
     assert gaps[True] < 100, f"asynchronous: a median {gaps[True]:.0f} us between one step's work and the next's"
     assert gaps[False] > 200, f"synchronous: only {gaps[False]:.0f} us between steps; is the host that fast?"
+
+
+@pytest.mark.gpu
+def test_gpu_staged_uploads_arrive_intact_through_every_buffer():
+    """Asynchronous scheduling uploads each step through a ring of pinned buffers made at
+    start-up (``PinnedStaging``): more uploads than buffers, each of fresh random values into
+    buffers poisoned first, arrive as they were sent; an array longer than a buffer is left to
+    the caller (None)."""
+    import torch
+
+    from minivllm.engine.model_runner import PinnedStaging
+
+    staging = PinnedStaging(1000, num_buffers=3)
+    for buffer in staging.buffers:
+        buffer.fill_(-7)
+    g = torch.Generator().manual_seed(0)
+    sent, arrived = [], []
+    for n in (1000, 17, 640, 3, 999, 1, 512):
+        host = torch.randint(-2**40, 2**40, (n,), generator=g, dtype=torch.int64)
+        sent.append(host.clone())
+        arrived.append(staging.upload(host, torch.device("cuda")))
+        host.fill_(0)  # the caller's array is free again as soon as upload returns
+    torch.cuda.synchronize()
+    for a, b in zip(sent, arrived):
+        assert torch.equal(a, b.cpu())
+    two_rows = torch.arange(20, dtype=torch.int64).view(2, 10)
+    assert torch.equal(staging.upload(two_rows, torch.device("cuda")).cpu(), two_rows)
+    assert staging.upload(torch.zeros(1001, dtype=torch.int64), torch.device("cuda")) is None

@@ -409,3 +409,16 @@ def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
         assert gc.get_freeze_count() > 0.9 * frozen
     finally:
         gc.unfreeze()
+
+
+def test_the_step_budget_defaults_to_16384_tokens_on_a_gpu_and_8192_on_the_cpu():
+    """As vLLM's LLM class and nano-vllm on a large GPU: an eager prefill step of 16,384
+    tokens has twice the device work of one of 8,192 for the same host work."""
+    from minivllm.config import EngineConfig
+
+    assert EngineConfig(model="m", device="cuda").max_num_batched_tokens == 16384
+    assert EngineConfig(model="m", device="cuda:1").max_num_batched_tokens == 16384
+    assert EngineConfig(model="m", device="cpu").max_num_batched_tokens == 8192
+    assert EngineConfig(model="m", device="cuda", max_num_batched_tokens=4096).max_num_batched_tokens == 4096
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model="m", device="cuda", max_num_batched_tokens=0)
