@@ -243,11 +243,11 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
 
 
 def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256,
-         profile_gpu: bool = True) -> dict:
+         profile_gpu: bool = True, engine_args: dict | None = None) -> dict:
     ceilings = measure_ceilings()
     prompts, output_lens = make_workload(num_requests)
     path = model_checkpoint()
-    ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu)
+    ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu, **(engine_args or {}))
     # Both runs have the same schedule (same lengths, no prefix hits), so the second run's
     # trace gives the floor of each.
     sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings)
@@ -260,6 +260,7 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
         "workload": {"requests": num_requests, "prompt_len": [100, 1024], "output_len": [100, 1024],
                      "token_ids": [0, 10000], "seed": 0, "temperature": 0.6, "ignore_eos": True,
                      "model": "random weights, Qwen3-0.6B shapes, bfloat16", "engine": "LLM(path, max_model_len=4096)",
+                     "engine_args": engine_args or {},
                      "total_prompt_tokens": sum(map(len, prompts)), "total_output_tokens": sum(output_lens)},
         "ceilings": ceilings,
         "minivllm": ours,

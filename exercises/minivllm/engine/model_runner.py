@@ -126,10 +126,40 @@ class StepInputs:
         return views
 
 
+class PinnedStaging:
+    """A ring of pinned host buffers, made once, that asynchronous scheduling's uploads go
+    through in turn: the host writes a step into the next buffer, and the copy to the device
+    does not wait for the device's queue (pinned, non-blocking). A buffer is written again
+    only once its last copy is done (an event recorded behind that copy; with a few buffers
+    it has long been done by then)."""
+
+    def __init__(self, num_elements: int, num_buffers: int = 4):
+        self.buffers = [torch.empty(num_elements, dtype=torch.int64, pin_memory=True) for _ in range(num_buffers)]
+        self.copied: list[torch.cuda.Event | None] = [None] * num_buffers
+        self.next = 0
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """``host`` on the device, through the next buffer; None when it does not fit one
+        (an int64 array of at most the buffers' length)."""
+        if host.dtype != torch.int64 or host.numel() > self.buffers[0].numel():
+            return None
+        i, self.next = self.next, (self.next + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        staged = self.buffers[i][: host.numel()].view(host.shape)
+        staged.copy_(host)
+        on_device = staged.to(device, non_blocking=True)
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
+        return on_device
+
+
 # Each field of a step's flat array starts at a multiple of this many int64s (128 bytes).
 FIELD_ALIGN = 16
 # The sizes of the eager steps that compile_kernels runs at start-up, in tokens.
 COMPILE_STEP_TOKENS = (4, 256, 2048)
+MATMUL_WARM_STEP = 32  # warm_matmuls' stride in row counts above max_num_seqs
+STAGING_MAX_ELEMENTS = 2**21  # a PinnedStaging buffer's length at most (16 MiB); larger steps pin their own
 WARMUP_MAX_SEQ_LEN = 1024
 # Prompt logprobs score many rows at once (a whole prompt chunk): their logits are computed
 # in slices of at most this many elements (rows x vocabulary, 64 MiB in float32), so the
@@ -178,6 +208,14 @@ class ModelRunner:
         config.check_max_model_len(self.model_config)
         limit = config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, self.num_kv_blocks * self.block_size)
+        # Asynchronous scheduling's uploads go through pinned buffers made now, not pinned
+        # memory taken per step (see _to_device).
+        self.staging = None
+        if config.async_scheduling and self.device.type == "cuda":
+            budget, seqs = config.max_num_batched_tokens, config.max_num_seqs
+            width = -(-self.max_model_len // self.block_size)
+            largest = StepInputs.offsets(StepInputs.sizes(budget, seqs, width, budget, seqs, seqs, budget))[1]
+            self.staging = PinnedStaging(min(largest, STAGING_MAX_ELEMENTS))
         # A warning only when the caller asked for that length; the model's own limit being
         # cut by a small pool (a CPU, a test) is the usual case, not news.
         if self.max_model_len < limit and config.max_model_len is not None:
@@ -198,6 +236,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             with self._startup_phase("compile_kernels"):
                 self.compile_kernels()
+            with self._startup_phase("warm_matmuls"):
+                self.warm_matmuls()
 
     @contextmanager
     def _startup_phase(self, name: str):
@@ -332,6 +372,45 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
+    def warm_matmuls(self) -> None:
+        """Run every linear layer's matmul at the row counts a run can give it, so that the
+        GEMM library picks and loads its kernels here. It loads a kernel's code the first
+        time it chooses it (CUDA's lazy module loading), which blocks the host for
+        milliseconds, and it chooses by the row count: without this, the user's first run
+        paid that for each new number of tokens in an eager step and each new number of
+        sampled rows at the LM head (which runs outside the decode graphs), about 4 ms a
+        time. Row counts: every one up to ``max_num_seqs`` (decode batches, sampled rows),
+        then every ``MATMUL_WARM_STEP``-th up to the step budget. The library's choice
+        between two warmed counts is nearly always a kernel one of them loaded."""
+        from minivllm.layers.embed_head import LMHead
+        from minivllm.layers.linear import Linear
+        from minivllm.ops.linear import linear
+
+        budget = self.config.max_num_batched_tokens
+        few = range(1, min(self.config.max_num_seqs, budget) + 1)
+        counts = sorted(set(few) | set(range(MATMUL_WARM_STEP, budget + 1, MATMUL_WARM_STEP)) | {budget})
+        shapes = {}  # (this rank's weight shape, bias?) -> a layer's weight and bias
+        heads = {}
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                shapes.setdefault((tuple(module.weight.shape), module.bias is not None), (module.weight, module.bias))
+            elif isinstance(module, LMHead):
+                heads.setdefault(tuple(module.weight.shape), module.weight)
+        widest = max([w.shape[1] for w, _ in shapes.values()] + [w.shape[1] for w in heads.values()], default=0)
+        if widest == 0:
+            return
+        x = torch.randn(budget, widest, dtype=self.config.dtype, device=self.device)
+        for weight, bias in shapes.values():
+            for m in counts:
+                # (The layer's op, not the layer: no tensor-parallel collective here.)
+                linear(x[:m, : weight.shape[1]], weight, bias)
+        for weight in heads.values():  # the LM head's rows: at most one per sampled row
+            for m in few:
+                torch.nn.functional.linear(x[:m, : weight.shape[1]], weight)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # -- one step ----------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, rows_to_sample: list[int] | None = None,
@@ -442,7 +521,10 @@ class ModelRunner:
         faster on the H200 throughput workload.)"""
         tensor = torch.from_numpy(host)
         if self.config.async_scheduling and self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
+            # Pinned memory taken per step would sometimes have to be allocated (cudaHostAlloc,
+            # 1.3 ms on one H200 host, up to about 10 on another, inside the user's run).
+            staged = self.staging.upload(tensor, self.device) if self.staging is not None else None
+            return staged if staged is not None else tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
     @torch.inference_mode()
