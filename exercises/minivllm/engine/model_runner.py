@@ -522,7 +522,7 @@ class ModelRunner:
         tensor = torch.from_numpy(host)
         if self.config.async_scheduling and self.device.type == "cuda":
             # Pinned memory taken per step would sometimes have to be allocated (cudaHostAlloc,
-            # 1.3 ms on one H200 host, up to about 10 on another, inside the user's run).
+            # 1.3 ms once in one profiled run on an H200 host, inside the user's run).
             staged = self.staging.upload(tensor, self.device) if self.staging is not None else None
             return staged if staged is not None else tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
