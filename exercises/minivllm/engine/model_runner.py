@@ -381,8 +381,9 @@ class ModelRunner:
         paid that for each new number of tokens in an eager step and each new number of
         sampled rows at the LM head (which runs outside the decode graphs), about 4 ms a
         time. Row counts: every one up to ``max_num_seqs`` (decode batches, sampled rows),
-        then every ``MATMUL_WARM_STEP``-th up to the step budget. The library's choice
-        between two warmed counts is nearly always a kernel one of them loaded."""
+        then every ``MATMUL_WARM_STEP``-th up to the step budget: a count between two warmed
+        ones may still pick a kernel neither loaded (not checked count by count); the
+        H200's first run came level with its second with this stride."""
         from minivllm.layers.embed_head import LMHead
         from minivllm.layers.linear import Linear
         from minivllm.ops.linear import linear
