@@ -5,7 +5,7 @@ run; check the decode kernel too (and sweep it with ``--decode-sweep``). The def
 H200.
 
     python scripts/tune_attention.py --out FILE [--baseline OLD_paged_attention.py]
-                                     [--budget-s 200] [--jobs 8] [--decode-sweep]
+                                     [--budget-s 200] [--jobs 8] [--decode-sweep] [--decode-only]
 
 Workloads, Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16, blocks of
 the engine's KV block size): 8 causal prompts of 1,000 tokens; 8 chunks of 512 tokens after
@@ -231,11 +231,11 @@ def decode_results(baseline, bandwidth, block_size, full_sweep, deadline):
         result["baseline"] = measure(baseline)
     if full_sweep:
         sweep, left = [], 0
-        for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        for bn, warps, stages, per_block in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (False, True)):
             if time.perf_counter() > deadline:
                 left += 1
                 continue
-            config = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            config = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PER_BLOCK": per_block}
             try:
                 sweep.append({"config": config, **measure(paged_attention, config)})
             except AssertionError:
@@ -263,6 +263,7 @@ def main():
     parser.add_argument("--from-scratch", action="store_true",
                         help="only the FROM_SCRATCH variants of the best shapes (steps without cached keys)")
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles too")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode kernel (its sweep with --decode-sweep)")
     parser.add_argument("--block-size", type=int, default=EngineConfig.__dataclass_fields__["block_size"].default,
                         help="KV cache block size (default: the engine's)")
     args = parser.parse_args()
@@ -300,12 +301,21 @@ def main():
     report = {"ceilings": ceilings, "torch": torch.__version__, "triton": triton.__version__,
               "block_size": args.block_size,
               "workloads": {k: {"lens": v[0][:1], "q_lens": v[1][:1], "seqs": len(v[0])} for k, v in WORKLOADS.items()}}
-    print("% of the matmul rate per workload: " + ", ".join(WORKLOADS))
     baseline = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
+    if args.decode_only:
+        report["decode"] = decode_results(baseline, ceilings["copy_bandwidth_bytes_per_s"], args.block_size,
+                                          args.decode_sweep, deadline)
+        report["seconds"] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"{report['seconds']:.0f} s in all; written to {args.out}")
+        return
+    print("% of the matmul rate per workload: " + ", ".join(WORKLOADS))
+    if baseline is not None:
         report["baseline"] = measure(baseline)
         print(line("baseline " + args.baseline, report["baseline"]))
     defaults = paged_attention.prefill_config(HEAD_DIM, HEADS // KV_HEADS)

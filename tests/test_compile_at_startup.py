@@ -53,12 +53,14 @@ def test_startup_steps_leave_the_engine_as_it_was(tiny_qwen3, hybrid_checkpoint,
 
 
 @pytest.mark.gpu
-def test_a_run_compiles_nothing_after_startup(tiny_qwen3):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_run_compiles_nothing_after_startup(tiny_qwen3, enforce_eager):
     """On the GPU: a mixed workload (prompts of many lengths, a shared prefix, chunked
-    prefill, decode) triggers no Triton compilation after the engine is built."""
+    prefill, decode) triggers no Triton compilation after the engine is built, with CUDA
+    graphs and without (eager decode steps: contexts long enough to split, and short)."""
     from minivllm.bench.compiles import triton_compiles
 
-    llm = LLM(str(tiny_qwen3), max_num_batched_tokens=512, max_num_seqs=64)
+    llm = LLM(str(tiny_qwen3), max_num_batched_tokens=512, max_num_seqs=64, enforce_eager=enforce_eager)
     rng = np.random.default_rng(1)
     prefix = rng.integers(3, 200, size=40).tolist()
     prompts = [(prefix if i % 2 else []) + rng.integers(3, 200, size=int(n)).tolist()

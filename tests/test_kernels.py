@@ -73,15 +73,71 @@ def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, num_split
     torch.testing.assert_close(out.float(), ref, **TOL)
 
 
-def test_paged_decode_padding_rows_give_zero():
-    """A row with context length 0 (CUDA-graph padding) must produce zeros, not NaN."""
+@pytest.mark.parametrize("block_size,block_n", [(4, 16), (16, 16), (16, 32)] if not CUDA else [(16, 64), (16, 16), (32, 16)])
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_tile_shapes(block_size, block_n, per_block, num_splits):
+    """The decode kernel's tiles over cache blocks: a tile inside one block, or spanning
+    several; block ids read per key or once per block (PER_BLOCK); contexts that end inside a
+    tile, past the last block's ids; a sliding window that starts inside a tile."""
+    from minivllm.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, _ = SHAPES[0]
+    lens = [1, 37, 5, 300, 129] if CUDA else [1, 37, 5, 50, 17]
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    q = torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    scale = head_dim**-0.5
+    config = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "PER_BLOCK": per_block}
+    for window in (None, 11):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                     scale, max(lens), num_splits, sliding_window=window, config=config)
+        ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), scale, window)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_decode_stores_the_new_keys_and_attends_over_them(num_splits, window):
+    """A decode step hands the kernel its own keys and values (the fused KV store): each is
+    written to its slot, a padding row (slot -1) writes nothing, and every query attends over
+    its new key as the newest, as the reference does after storing it."""
+    from minivllm.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, head_dim, block_size = SHAPES[0]
+    lens = [1, 37, 5, 300, 0, 129] if CUDA else [1, 37, 5, 50, 0, 17]  # 0: a CUDA-graph padding row
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    # Each sequence's newest position is its slot; its cache row holds random values (poison).
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                          for i, n in enumerate(lens)], device=DEVICE)
+    q = torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(len(lens), kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    qkv = torch.randn(len(lens), 3, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v = qkv[:, 1]  # a strided view, as the engine's v is a view into the packed qkv output
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_reference(k, v, k_ref, v_ref, slots)
+    scale = head_dim**-0.5
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, 2 * max(lens), num_splits,
+                                 sliding_window=window, k=k, v=v, slot_mapping=slots)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)  # every slot written, nothing else
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+    ref = reference(q, k_ref, v_ref, tables, lens, [1] * len(lens), scale, window)
+    assert not out.isnan().any() and out[4].abs().max() == 0
+    torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_padding_rows_give_zero(num_splits):
+    """A row with context length 0 (CUDA-graph padding) must produce zeros, not NaN: through
+    the merge (2 splits) and when the kernel writes the output itself (1 split)."""
     from minivllm.kernels.paged_attention import paged_decode_attention
 
     heads, kv_heads, head_dim, block_size = SHAPES[0]
     k_cache, v_cache, tables = random_paged_cache([9, 4], kv_heads, head_dim, block_size)
     q = torch.randn(2, heads, head_dim, device=DEVICE, dtype=DTYPE)
     out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([9, 0], dtype=torch.int32, device=DEVICE),
-                                 head_dim**-0.5, 64, num_splits=2)
+                                 head_dim**-0.5, 64, num_splits=num_splits)
     assert out[1].abs().max() == 0
     ref = reference(q[:1], k_cache, v_cache, tables[:1], [9], [1], head_dim**-0.5)
     torch.testing.assert_close(out[:1].float(), ref, **TOL)
