@@ -6,6 +6,7 @@ H200.
 
     python scripts/tune_attention.py --out FILE [--baseline OLD_paged_attention.py]
                                      [--budget-s 200] [--jobs 8] [--decode-sweep] [--decode-only]
+                                     [--decode-splits]
 
 Workloads, Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16, blocks of
 the engine's KV block size): 8 causal prompts of 1,000 tokens; 8 chunks of 512 tokens after
@@ -200,24 +201,31 @@ def label(config: dict) -> str:
             f"s{config['num_stages']}{on}")
 
 
-DECODE_WORKLOADS = {"256 x [100, 2048]": torch.Generator().manual_seed(1), "64 x 2048": None}
+# (batch, context lengths drawn from [100, 2048] by this seed, or all 2048 where None)
+DECODE_WORKLOADS = {"256 x [100, 2048]": (256, 1), "128 x [100, 2048]": (128, 2), "64 x [100, 2048]": (64, 3),
+                    "64 x 2048": (64, None), "32 x [100, 2048]": (32, 4), "8 x [100, 2048]": (8, 5)}
+DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def decode_results(baseline, bandwidth, block_size, full_sweep, deadline):
-    """The decode kernel on its two workloads: the default config (and the baseline's), and
-    with ``full_sweep`` its tile shapes too."""
+def decode_results(baseline, bandwidth, block_size, full_sweep, deadline, splits=False):
+    """The decode kernel on its workloads: the default config (and the baseline's), with
+    ``full_sweep`` its tile shapes too, and with ``splits`` the default tile and the sweep's best at each number
+    of splits of DECODE_SPLITS (the grid as a CUDA graph sized for 4,096 tokens has it)."""
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     cases = {}
-    for name, lens_gen in DECODE_WORKLOADS.items():
-        lens = torch.randint(100, 2049, (256,), generator=lens_gen).tolist() if lens_gen else [2048] * 64
+    for name, (batch, seed) in DECODE_WORKLOADS.items():
+        lens = ([2048] * batch if seed is None else
+                torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(seed)).tolist())
         q, k_cache, v_cache, tables, lens_t, *_ = make_inputs(lens, [1] * len(lens), block_size, generator)
         ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens))
         cases[name] = (q, k_cache, v_cache, tables, lens_t, ref, 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2)
 
-    def measure(module, config=None):
+    def measure(module, config=None, num_splits=None):
         row = {}
         for name, (q, k_cache, v_cache, tables, lens_t, ref, nbytes) in cases.items():
             kwargs = {"config": config} if config else {}
+            if num_splits:
+                kwargs["num_splits"] = num_splits
             fn = lambda: module.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, HEAD_DIM**-0.5, 4096, **kwargs)
             err = ((fn().float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
@@ -231,11 +239,11 @@ def decode_results(baseline, bandwidth, block_size, full_sweep, deadline):
         result["baseline"] = measure(baseline)
     if full_sweep:
         sweep, left = [], 0
-        for bn, warps, stages, per_block in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (False, True)):
+        for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             if time.perf_counter() > deadline:
                 left += 1
                 continue
-            config = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "PER_BLOCK": per_block}
+            config = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             try:
                 sweep.append({"config": config, **measure(paged_attention, config)})
             except AssertionError:
@@ -245,6 +253,15 @@ def decode_results(baseline, bandwidth, block_size, full_sweep, deadline):
         sweep.sort(key=lambda r: r["256 x [100, 2048]"]["seconds"])
         result["sweep"] = sweep
         result["not_measured_budget"] = left
+    if splits:
+        tiles = [paged_attention.decode_config(HEAD_DIM)]
+        tiles += [r["config"] for r in result.get("sweep", [])[:1] if r["config"] != tiles[0]]
+        result["splits"] = [{"config": config, "num_splits": n, **measure(paged_attention, config, n)}
+                            for config in tiles for n in DECODE_SPLITS]
+        print("decode by number of splits, % of copy bandwidth (" + ", ".join(cases) + ")")
+        for r in result["splits"]:
+            print(f"  {str(r['config']):56s} {r['num_splits']:3d} "
+                  + "  ".join(f"{r[w]['percent_of_copy_bandwidth']:5.1f}%" for w in cases))
     print("decode, % of copy bandwidth per workload (" + ", ".join(cases) + ")")
     for label, row in [("baseline", result.get("baseline")), ("default", result["default"])] + \
             [(str(r["config"]), r) for r in result.get("sweep", [])[:6]]:
@@ -264,6 +281,8 @@ def main():
                         help="only the FROM_SCRATCH variants of the best shapes (steps without cached keys)")
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles too")
     parser.add_argument("--decode-only", action="store_true", help="only the decode kernel (its sweep with --decode-sweep)")
+    parser.add_argument("--decode-splits", action="store_true",
+                        help="time the decode kernel's default tile and the sweep's best at each number of splits")
     parser.add_argument("--block-size", type=int, default=EngineConfig.__dataclass_fields__["block_size"].default,
                         help="KV cache block size (default: the engine's)")
     args = parser.parse_args()
@@ -308,7 +327,7 @@ def main():
         spec.loader.exec_module(baseline)
     if args.decode_only:
         report["decode"] = decode_results(baseline, ceilings["copy_bandwidth_bytes_per_s"], args.block_size,
-                                          args.decode_sweep, deadline)
+                                          args.decode_sweep, deadline, args.decode_splits)
         report["seconds"] = time.perf_counter() - t0
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -73,13 +73,12 @@ def test_paged_decode_attention(heads, kv_heads, head_dim, block_size, num_split
     torch.testing.assert_close(out.float(), ref, **TOL)
 
 
-@pytest.mark.parametrize("block_size,block_n", [(4, 16), (16, 16), (16, 32)] if not CUDA else [(16, 64), (16, 16), (32, 16)])
-@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("block_size,block_n", [(4, 16), (16, 16), (16, 32)] if not CUDA else [(16, 64), (16, 128), (32, 16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_tile_shapes(block_size, block_n, per_block, num_splits):
+def test_paged_decode_tile_shapes(block_size, block_n, num_splits):
     """The decode kernel's tiles over cache blocks: a tile inside one block, or spanning
-    several; block ids read per key or once per block (PER_BLOCK); contexts that end inside a
-    tile, past the last block's ids; a sliding window that starts inside a tile."""
+    several; contexts that end inside a tile, past the last block's ids; a sliding window
+    that starts inside a tile."""
     from minivllm.kernels.paged_attention import paged_decode_attention
 
     heads, kv_heads, head_dim, _ = SHAPES[0]
@@ -87,7 +86,7 @@ def test_paged_decode_tile_shapes(block_size, block_n, per_block, num_splits):
     k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
     q = torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
     scale = head_dim**-0.5
-    config = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "PER_BLOCK": per_block}
+    config = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
     for window in (None, 11):
         out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                                      scale, max(lens), num_splits, sliding_window=window, config=config)

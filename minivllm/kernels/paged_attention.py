@@ -87,7 +87,7 @@ def _decode_kernel(
     window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DIRECT: tl.constexpr, PER_BLOCK: tl.constexpr, NEW_KV: tl.constexpr,
+    DIRECT: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     b = tl.program_id(0)
@@ -124,9 +124,11 @@ def _decode_kernel(
         n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
         valid = (n < cache_end) & (n >= first)
-        # Past the last block the ids are clamped to it: those rows are masked, never read.
+        # One block id per key (read once per block instead, the tile's gather loses its
+        # layout: 3-10x slower in the sweep). Past the last block the ids are clamped to it:
+        # those rows are masked, never read.
         row = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
-                            BLOCK_SIZE, BLOCK_N, PER_BLOCK)
+                            BLOCK_SIZE, BLOCK_N, False)
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -192,19 +194,27 @@ def _merge_kernel(
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
-    """Enough splits that the GPU gets about two programs per multiprocessor, but no split
-    shorter than 256 tokens (below that the merge costs more than it gains)."""
-    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    """How many programs share each sequence's keys: enough for about twelve programs per
+    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``.
+
+    The contexts of a batch differ in length, and with one program per (sequence, K/V head)
+    the GPU ends up waiting for the longest. On an H200, contexts of 100-2,048 tokens: at
+    batch 64 one split reads the cache at 80% of the copy bandwidth, two or three at 82-85%;
+    at batch 128, 92 and 94% (two); at batch 256 one split is best (100%: programs enough to
+    balance), and the kernel then writes the output itself. At batch 64 and three splits the
+    partial outputs cost about 0.5% of the bytes of the keys.
+    (``python scripts/tune_attention.py --decode-only --decode-sweep --decode-splits``.)"""
+    want = triton.cdiv(12 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
 
-def decode_config(head_dim: int) -> dict:
-    """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile is [BLOCK_N,
-    head_dim], halved for wide heads to bound it), and the launch's warps and pipeline
-    stages. Set by hand when the kernel was written; scripts/tune_attention.py sweeps them
-    (benchmarks/attention_tuning.json), and ``minivllm bench kernels`` measures the result
-    against the copy bandwidth."""
-    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3, "PER_BLOCK": False}
+def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
+    """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile of [BLOCK_N,
+    head_dim] is at most 32 KB: 128 keys for bf16 heads of 128), and the launch's warps and
+    pipeline stages. From scripts/tune_attention.py's decode sweep on an H200: 128 keys read
+    the cache at 92-100% of the copy bandwidth at batch 128-256 (contexts of 100-2,048
+    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result."""
+    return {"BLOCK_N": min(128, 32768 // (head_dim * dtype_size)), "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_attention(
@@ -256,7 +266,7 @@ def paged_decode_attention(
         raise ValueError(f"k and v must be [num_seqs, num_kv_heads, head_dim] = {(num_seqs, num_kv_heads, head_dim)} "
                          f"with contiguous head_dim, slot_mapping [num_seqs]; got {tuple(k.shape)}, "
                          f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
-    config = {**decode_config(head_dim), **(config or {})}
+    config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     # One split (a large batch): the kernel writes the output itself. Otherwise each split
     # writes its partial output and log-sum-exp, and the merge combines them.

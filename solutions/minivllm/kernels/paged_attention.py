@@ -73,16 +73,21 @@ def _decode_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     context_lens_ptr,  # [num_seqs] int32
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32; with DIRECT, the output
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32 (not read with DIRECT)
+    k_new_ptr,  # [num_seqs, num_kv_heads, head_dim]: the step's own keys (read with NEW_KV)
+    v_new_ptr,  # [num_seqs, num_kv_heads, head_dim]: its values, likewise
+    slot_ptr,  # [num_seqs]: where they go in the cache, -1 for a padding row (NEW_KV)
     scale,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DIRECT: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
     b = tl.program_id(0)
@@ -108,25 +113,59 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    bt_ptr = block_tables_ptr + b * stride_bt
+    last_block = tl.maximum(context_len - 1, 0) // BLOCK_SIZE
+    # With NEW_KV the step's own key and value (position context_len - 1) are not in the
+    # cache yet: this kernel stores them (the decode step's KV store, fused) and takes them
+    # from registers, so no program reads that row from the cache.
+    newest = context_len - 1
+    cache_end = tl.minimum(end, newest) if NEW_KV else end
+    for n0 in range(start, cache_end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < end) & (n >= first)
-        block = tl.load(block_tables_ptr + b * stride_bt + n // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        valid = (n < cache_end) & (n >= first)
+        # One block id per key (read once per block instead, the tile's gather loses its
+        # layout: 3-10x slower in the sweep). Past the last block the ids are clamped to it:
+        # those rows are masked, never read.
+        row = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
+                            BLOCK_SIZE, BLOCK_N, False)
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
 
+    if NEW_KV:
+        k_new = tl.load(k_new_ptr + b * stride_knt + kv_head * stride_knh + d)  # [HEAD_DIM]
+        v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d)
+        if (start <= newest) & (newest < end):
+            # The program whose keys end with the newest folds it in: one key, so a row sum
+            # rather than a dot (tensor-core tiles are at least 16 keys wide).
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * (scale * LOG2E)
+            m_new = tl.maximum(m, s_new)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s_new - m_new)
+            l = l * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
+        slot = tl.load(slot_ptr + b)
+        if (split == 0) & (slot >= 0):
+            row = (slot // BLOCK_SIZE).to(tl.int64) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            tl.store(k_cache_ptr + row + d, k_new.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + row + d, v_new.to(v_cache_ptr.dtype.element_ty))
+
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
-    lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
     mask = g < GROUP
     base = b * stride_pt + heads * stride_ph + split * stride_ps
-    tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=mask[:, None])
-    tl.store(part_lse_ptr + b * stride_lt + heads * stride_lh + split, lse, mask=mask)
+    if DIRECT:
+        # One split: this is the answer already, in the output's dtype; no merge to launch.
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty), mask=mask[:, None])
+    else:
+        # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
+        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=mask[:, None])
+        tl.store(part_lse_ptr + b * stride_lt + heads * stride_lh + split, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -155,19 +194,27 @@ def _merge_kernel(
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
-    """Enough splits that the GPU gets about two programs per multiprocessor, but no split
-    shorter than 256 tokens (below that the merge costs more than it gains)."""
-    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    """How many programs share each sequence's keys: enough for about twelve programs per
+    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``.
+
+    The contexts of a batch differ in length, and with one program per (sequence, K/V head)
+    the GPU ends up waiting for the longest. On an H200, contexts of 100-2,048 tokens: at
+    batch 64 one split reads the cache at 80% of the copy bandwidth, two or three at 82-85%;
+    at batch 128, 92 and 94% (two); at batch 256 one split is best (100%: programs enough to
+    balance), and the kernel then writes the output itself. At batch 64 and three splits the
+    partial outputs cost about 0.5% of the bytes of the keys.
+    (``python scripts/tune_attention.py --decode-only --decode-sweep --decode-splits``.)"""
+    want = triton.cdiv(12 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
 
-def decode_config(head_dim: int) -> dict:
-    """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile is [BLOCK_N,
-    head_dim], halved for wide heads to bound it), and the launch's warps and pipeline
-    stages. Set by hand when the kernel was written; scripts/tune_attention.py sweeps them
-    (benchmarks/attention_tuning.json), and ``minivllm bench kernels`` measures the result
-    against the copy bandwidth."""
-    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
+def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
+    """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile of [BLOCK_N,
+    head_dim] is at most 32 KB: 128 keys for bf16 heads of 128), and the launch's warps and
+    pipeline stages. From scripts/tune_attention.py's decode sweep on an H200: 128 keys read
+    the cache at 92-100% of the copy bandwidth at batch 128-256 (contexts of 100-2,048
+    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result."""
+    return {"BLOCK_N": min(128, 32768 // (head_dim * dtype_size)), "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_attention(
@@ -181,10 +228,18 @@ def paged_decode_attention(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     config: dict | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one query per sequence). Returns the same shape.
     With ``sliding_window`` each query sees only the last sliding_window keys. ``config``:
     the tile shape (``decode_config``'s keys), for tuning.
+
+    With ``k``, ``v`` ([num_seqs, num_kv_heads, head_dim]) and ``slot_mapping`` the step's
+    own keys and values are not in the cache yet: the kernel stores each at its slot (-1:
+    nothing to store) and attends over it as the sequence's newest key (context_lens count
+    it). Without them the cache must hold every key already.
 
     ``max_context_len`` bounds the context lengths (it sizes the splits; under a CUDA graph
     it is the engine's max_model_len, since the real lengths change at every replay).
@@ -203,20 +258,39 @@ def paged_decode_attention(
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
-    config = config or decode_config(head_dim)
-    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    new_kv = k is not None
+    if new_kv != (v is not None) or new_kv != (slot_mapping is not None):
+        raise ValueError("give k, v and slot_mapping together, or none of them")
+    if new_kv and (k.shape != (num_seqs, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1
+                   or v.stride(-1) != 1 or slot_mapping.shape != (num_seqs,)):
+        raise ValueError(f"k and v must be [num_seqs, num_kv_heads, head_dim] = {(num_seqs, num_kv_heads, head_dim)} "
+                         f"with contiguous head_dim, slot_mapping [num_seqs]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    # One split (a large batch): the kernel writes the output itself. Otherwise each split
+    # writes its partial output and log-sum-exp, and the merge combines them.
+    direct = num_splits == 1
+    if direct:
+        part_out, part_lse = out.unsqueeze(2), out  # [num_seqs, num_heads, 1, head_dim]; lse unused
+    else:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    k_new, v_new, slots = (k, v, slot_mapping) if new_kv else (q, q, context_lens)  # unread stand-ins
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, k_new, v_new, slots, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), **pdl_options(q), **config,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), DIRECT=direct, NEW_KV=new_kv,
+        **pdl_options(q), **config,
     )
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if direct:
+        return out
     _merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),

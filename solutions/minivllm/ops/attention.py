@@ -103,14 +103,15 @@ def varlen_attention(
     if use_cache and use_triton(q):
         from minivllm.kernels import kv_store, paged_attention
 
-        kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
+            kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
             return paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
                 sliding_window=sliding_window, k=k, v=v, config={"FROM_SCRATCH": True} if ctx.from_scratch else None)
+        # A decode step: the attention kernel stores the new keys and values itself.
         return paged_attention.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len,
-            sliding_window=sliding_window)
+            sliding_window=sliding_window, k=k, v=v, slot_mapping=ctx.slot_mapping)
     return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale, sliding_window)
 
 
