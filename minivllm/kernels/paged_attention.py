@@ -295,7 +295,9 @@ def paged_decode_attention(
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl_options(q),
+        # At least 16 split slots: one compiled merge serves every count up to 16 (a CUDA graph's
+        # at max_model_len 4,096, and an eager step's up to that context).
+        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), **pdl_options(q),
     )
     return out
 
