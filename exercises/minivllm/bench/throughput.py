@@ -194,6 +194,8 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
         "kv_blocks": llm.engine.runner.num_kv_blocks,
         "enforce_eager": enforce_eager,
         "async_scheduling": llm.engine.config.async_scheduling,
+        # The step budget the engine resolved (its default depends on the device).
+        "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
         "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
         "_config": model.config,
