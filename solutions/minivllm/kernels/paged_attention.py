@@ -214,8 +214,11 @@ def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
     head_dim] is at most 32 KB: 128 keys for bf16 heads of 128), and the launch's warps and
     pipeline stages. From scripts/tune_attention.py's decode sweep on an H200: 128 keys read
     the cache at 92-100% of the copy bandwidth at batch 128-256 (contexts of 100-2,048
-    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result."""
-    return {"BLOCK_N": min(128, 32768 // (head_dim * dtype_size)), "num_warps": 4, "num_stages": 3}
+    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result.
+    Heads wider than 128 (Gemma 3's, Qwen3.5's 256) keep the 32-key tiles they were tested
+    with: the sweep has not measured them."""
+    block_n = min(128, 32768 // (head_dim * dtype_size)) if head_dim <= 128 else 32
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
 def paged_decode_attention(
