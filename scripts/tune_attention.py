@@ -209,8 +209,9 @@ DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 def decode_results(baseline, bandwidth, block_size, full_sweep, deadline, splits=False):
     """The decode kernel on its workloads: the default config (and the baseline's), with
-    ``full_sweep`` its tile shapes too, and with ``splits`` the default tile and the sweep's best at each number
-    of splits of DECODE_SPLITS (the grid as a CUDA graph sized for 4,096 tokens has it)."""
+    ``full_sweep`` its tile shapes too, and with ``splits`` the default tile and the sweep's
+    best at each number of splits of DECODE_SPLITS (max_context_len 4,096, as a CUDA graph
+    of the engine has it)."""
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     cases = {}
     for name, (batch, seed) in DECODE_WORKLOADS.items():

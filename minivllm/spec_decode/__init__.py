@@ -24,9 +24,9 @@ proposer reads the accepted tokens on the host; overlapping would mean preparing
 before its shape is known. Measured (the bundled model on an H200, n-gram, k = 3, batch 1,
 ``scripts/profile_spec.py``): of a step's 1.27 ms the host's only part that does not wait
 for the accepted tokens is taking them in, 0.08 ms; overlapping more needs the proposal and
-the next step's inputs made on the device. Requests with penalties or bad words are not speculated (each
-draft row would need its own token history); tensor parallelism, n > 1, prompt_logprobs
-and structured outputs are refused.
+the next step's inputs made on the device. Requests with penalties or bad words are not
+speculated (each draft row would need its own token history); tensor parallelism, n > 1,
+prompt_logprobs and structured outputs are refused.
 
 Hybrid models (Gated DeltaNet layers) carry a recurrent state instead of a KV cache, and
 it cannot be cut back as a block table is: the verifying step keeps the state after each

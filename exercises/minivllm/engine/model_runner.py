@@ -336,8 +336,9 @@ class ModelRunner:
         shapes.append([(limit, 0)])
         if not self.graphs:
             # A decode step whose longest context is split across programs (the attention's
-            # merge), and one short enough for a single split (no merge): both variants. (An
-            # eager step past 4,096 tokens of context can still need a wider merge.)
+            # merge; decode_num_splits makes no split under 256 tokens), and one short enough
+            # for a single split (no merge): both variants. (An eager step past 4,096 tokens
+            # of context can still need a wider merge.)
             long = max(1, min(self.max_model_len - 1, 2 * 256 + 1))
             shapes.append([(1, long), (1, 2)][: num_seqs])
             shapes.append([(1, bs + 1), (1, 2)][: num_seqs])
