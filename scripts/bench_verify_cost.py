@@ -12,8 +12,12 @@ here; with ``--acceptance a`` (the chance that a draft is accepted, from a run o
 text) it prints the speed-up that follows, (1 - a^(k+1)) / (1 - a) / ratio, proposer's
 cost left out.
 
+With ``--profile`` each step kind also runs under the torch profiler: its kernels' device
+time per step, by kernel (the top ``--top``), and how much of the step's wall time the GPU
+was busy, so that a verifying step's extra cost can be put on the kernels that carry it.
+
     python scripts/bench_verify_cost.py [--context 512] [--k 1 2 3 4 6 8] [--batch-sizes 1 4 16 64]
-        [--acceptance 0.6] [--out benchmarks/verify_cost.json]
+        [--acceptance 0.6] [--profile] [--out benchmarks/verify_cost.json]
 """
 import argparse
 import json
@@ -64,6 +68,40 @@ def time_step(runner, step: StepInputs, repeats: int, rows: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def profile_step(runner, step: StepInputs, repeats: int, top: int) -> dict:
+    """Kernel time per step of ``step``, by kernel, from the torch profiler (CUDA graphs'
+    kernels are recorded one by one), and the wall time per step around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        runner.execute(*ModelRunner.upload(runner, step))
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            runner.execute(*ModelRunner.upload(runner, step))
+        sync()
+        wall = (time.perf_counter() - start) / repeats
+    kernels = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.self_device_time_total / repeats
+        if us > 0:
+            kernels[event.key] = (us, event.count / repeats)
+    busy = sum(us for us, _ in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {"wall_us": wall * 1e6, "kernel_us": busy, "kernels_per_step": sum(c for _, c in kernels.values()),
+            "top": [{"kernel": name[:120], "us": us, "calls": calls} for name, (us, calls) in ranked[:top]]}
+
+
+def print_profile(label: str, prof: dict) -> None:
+    print(f"  {label}: wall {prof['wall_us']:.0f} us/step, kernels {prof['kernel_us']:.0f} us "
+          f"({prof['kernels_per_step']:.0f} launches)", flush=True)
+    for row in prof["top"]:
+        print(f"    {row['us']:8.1f} us  x{row['calls']:<5.0f} {row['kernel'][:100]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=512)
@@ -73,6 +111,8 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, default=None, help="a draft's chance of acceptance, 0..1")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--model", default=None, help="default: Qwen3-0.6B's shapes, random weights")
+    parser.add_argument("--profile", action="store_true", help="kernel times per step, by kernel")
+    parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
@@ -92,8 +132,13 @@ def main() -> None:
                 a = args.acceptance
                 row["speedup_at_acceptance"] = (1 - a ** (k + 1)) / (1 - a) / row["cost_vs_decode"]
                 line += f", speed-up at acceptance {a}: {row['speedup_at_acceptance']:.2f}"
-            rows.append(row)
             print(line, flush=True)
+            if args.profile:
+                for label, new in (("decode", 1), ("verify", 1 + k)):
+                    row[f"{label}_profile"] = prof = profile_step(
+                        runner, step_inputs(args.context, new, runner.block_size, bs), 20, args.top)
+                    print_profile(label, prof)
+            rows.append(row)
         llm.shutdown()
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "model": "random weights, Qwen3-0.6B shapes, bfloat16", "context": args.context,

@@ -172,3 +172,90 @@ def test_engine_with_the_kernels_matches_the_reference(tmp_path, monkeypatch):
                       enforce_eager=True)
             results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
+
+
+# -- short steps (verifying steps, short prompts): the recurrence token by token ----------
+
+SHORT_LENS = [4, 1, 3, 0, 2]  # sequence 3 has no tokens (a padded graph's empty sequence)
+SHORT_SLOTS = [4, 0, 6, 2, -1]  # the last one is padding: it must write nothing at all
+SHORT_INITIAL = [1, 0, 1, 1, 1]  # sequence 1 starts from zeros (a one-token prompt)
+SHORT_COUNTS = [3, 0, 2, 0, 1]  # the states each keeps for a rollback
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", SHAPES)
+@pytest.mark.parametrize("keep_spec", [True, False])
+def test_recurrent_short_kernel(hk, hv, dk, dv, keep_spec):
+    """Each sequence's outputs and final state are decoding's, one token at a time from its
+    slot's state; with counts, its state after each of its first counts[i] tokens lands in
+    its spec entries. Nothing else is written: the pools start full of random values, the
+    padding sequence and the empty one leave their slots as they were."""
+    from minivllm.kernels.gated_delta import recurrent_gated_delta_short
+
+    q, k, v, decay, beta = packed_inputs(sum(SHORT_LENS), hk, hv, dk, dv, seed=4)
+    cu = torch.tensor([0] + SHORT_LENS).cumsum(0).to(DEVICE)
+    states = torch.randn(7, hv, dk, dv, device=DEVICE)
+    spec = torch.randn(7, 3, hv, dk, dv, device=DEVICE)
+    slots, has_initial = torch.tensor(SHORT_SLOTS, device=DEVICE), torch.tensor(SHORT_INITIAL, device=DEVICE)
+    counts = torch.tensor(SHORT_COUNTS, device=DEVICE)
+    before, spec_before = states.clone(), spec.clone()
+    out = recurrent_gated_delta_short(q, k, v, decay, beta, states, slots, has_initial, cu,
+                                      counts if keep_spec else None, spec if keep_spec else None)
+    qp, kp = prepare_qk(q, k, hv)
+    written = torch.zeros(7, 3, dtype=torch.bool)
+    for i, (start, n) in enumerate(zip(cu[:-1].tolist(), SHORT_LENS)):
+        slot = SHORT_SLOTS[i]
+        if slot < 0:
+            assert out[start : start + n].abs().max() == 0, "a padding sequence's output must be zeros"
+            continue
+        state = before[slot] if SHORT_INITIAL[i] else torch.zeros(hv, dk, dv, device=DEVICE)
+        for j in range(n):
+            t = slice(start + j, start + j + 1)
+            ref_out, state = gated_delta_step(state[None], qp[t], kp[t], v[t], decay[t], beta[t])
+            state = state[0]
+            torch.testing.assert_close(out[start + j], ref_out[0], **TOL)
+            if keep_spec and j < SHORT_COUNTS[i]:
+                torch.testing.assert_close(spec[slot, j], state, **TOL)
+                written[slot, j] = True
+        torch.testing.assert_close(states[slot], state if n else before[slot], **TOL)
+    for slot in (1, 3, 5, 2):  # nobody's, and the empty sequence's
+        assert torch.equal(states[slot], before[slot])
+    assert torch.equal(spec[~written.to(DEVICE)], spec_before[~written.to(DEVICE)]), "a spec entry nobody kept changed"
+
+
+@pytest.mark.parametrize("keep_spec", [True, False])
+def test_conv_short_kernel(keep_spec):
+    """The conv over a few inputs per sequence: outputs and the final window as the
+    reference's from the slot's window, the window after each of the first counts[i] inputs
+    kept, nothing else written (sequence 0 has more inputs than the window is wide)."""
+    from minivllm.kernels.gated_delta import causal_conv1d_short
+
+    lens = [5, *SHORT_LENS[1:]]
+    g = torch.Generator().manual_seed(5)
+    dim, width = 40, 4
+    x = torch.randn(sum(lens), dim + 8, generator=g).to(DEVICE)[:, :dim]  # a strided view
+    weight = torch.randn(dim, 1, width, generator=g).to(DEVICE)[:, 0]
+    states = torch.randn(7, dim, width - 1, generator=g).to(DEVICE)
+    spec = torch.randn(7, 4, dim, width - 1, generator=g).to(DEVICE)
+    cu = torch.tensor([0] + lens).cumsum(0).to(DEVICE)
+    slots, has_initial = torch.tensor(SHORT_SLOTS, device=DEVICE), torch.tensor(SHORT_INITIAL, device=DEVICE)
+    counts = torch.tensor([4, *SHORT_COUNTS[1:]], device=DEVICE)
+    before, spec_before = states.clone(), spec.clone()
+    out = causal_conv1d_short(x, weight, states, slots, has_initial, cu, counts if keep_spec else None,
+                              spec if keep_spec else None)
+    written = torch.zeros(7, 4, dtype=torch.bool)
+    for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        slot = SHORT_SLOTS[i]
+        if slot < 0:
+            assert out[start : start + n].abs().max() == 0
+            continue
+        state = before[slot] if SHORT_INITIAL[i] else torch.zeros(dim, width - 1, device=DEVICE)
+        for j in range(n):
+            ref, state = causal_conv1d(x[start + j : start + j + 1], weight, state)
+            torch.testing.assert_close(out[start + j], torch.nn.functional.silu(ref[0]), **TOL)
+            if keep_spec and j < int(counts[i]):
+                torch.testing.assert_close(spec[slot, j], state, atol=0, rtol=0)
+                written[slot, j] = True
+        torch.testing.assert_close(states[slot], state if n else before[slot], atol=0, rtol=0)
+    for slot in (1, 3, 5, 2):
+        assert torch.equal(states[slot], before[slot])
+    assert torch.equal(spec[~written.to(DEVICE)], spec_before[~written.to(DEVICE)])

@@ -68,15 +68,18 @@ def run(layer, x, lens, slots, has_initial, counts=None):
         reset_context()
 
 
+@pytest.mark.parametrize("chunk", [9, 20], ids=["short-step", "chunked"])
 @pytest.mark.parametrize("kernels", [False, True], indirect=True, ids=["torch", "triton"])
-def test_verifying_step_keeps_the_state_after_each_draft(kernels):
-    """One packed step: two sequences verify (3 and 1 drafts), a prefill chunk runs beside
-    them and keeps nothing, one verifying sequence starts from zeros. Each kept state must be
-    the state decoding the same tokens one at a time reaches, the slot must hold the state
-    after all of them, and ``keep_accepted_states`` must put back the one asked for."""
+def test_verifying_step_keeps_the_state_after_each_draft(kernels, chunk):
+    """One packed step: two sequences verify (3 and 1 drafts), a prefill chunk of ``chunk``
+    tokens runs beside them and keeps nothing, one verifying sequence starts from zeros. Each
+    kept state must be the state decoding the same tokens one at a time reaches, the slot
+    must hold the state after all of them, and ``keep_accepted_states`` must put back the one
+    asked for. (On the kernels, a chunk of 9 makes it a short step, run token by token; one
+    of 20 runs the chunked kernel beside the record kernel.)"""
     k = 3
     layer = random_layer(num_slots=6, k=k)
-    lens, slots, has_initial, counts = [4, 9, 2], [4, 1, 2], [1, 1, 0], [3, 0, 1]
+    lens, slots, has_initial, counts = [4, chunk, 2], [4, 1, 2], [1, 1, 0], [3, 0, 1]
     x = torch.randn(sum(lens), 32, device=DEVICE)
     pools = [p.clone() for p in (layer.conv_states, layer.recurrent_states)]
     spec_before = [p.clone() for p in (layer.spec_conv_states, layer.spec_recurrent_states)]
@@ -87,7 +90,7 @@ def test_verifying_step_keeps_the_state_after_each_draft(kernels):
     # The reference: each sequence decoded one token at a time from the same states.
     layer.conv_states.copy_(pools[0])
     layer.recurrent_states.copy_(pools[1])
-    starts = [0, 4, 13]
+    starts = [0, 4, 4 + chunk]
     written = torch.zeros(6, k, dtype=torch.bool)
     for i, (start, n, slot) in enumerate(zip(starts, lens, slots)):
         for j in range(n):
@@ -170,11 +173,18 @@ def test_greedy_identical_with_every_acceptance_length(hybrid_checkpoint, engine
     assert_all_given_back(spec)
 
 
+KERNELS = ("record_gated_delta_states", "chunk_gated_delta_varlen", "recurrent_gated_delta_step",
+           "recurrent_gated_delta_short", "causal_conv1d_short", "causal_conv1d_update")
+
+
 def test_greedy_identical_on_the_kernels(tmp_path, monkeypatch):
     """The same with the Triton kernels switched in (interpreted on the CPU) for the
-    speculating engine: verifying steps run the chunked kernel and keep their states with
-    the record kernel, decode steps the recurrent and conv-update kernels. (The reference
-    runs on the torch ops, which tests/test_kernels_gated_delta.py holds the kernels to.)"""
+    speculating engine: verifying steps run the short-step kernels, which keep their states
+    as they go, prompt chunks longer than SHORT_STEP_TOKENS the chunked kernel, decode steps
+    the recurrent and conv-update kernels. (The record kernel, for a verifying sequence
+    beside a long chunk, is held to decoding by test_verifying_step_keeps_the_state_after_
+    each_draft; the reference runs on the torch ops, which tests/test_kernels_gated_delta.py
+    holds the kernels to.)"""
     from minivllm.kernels import gated_delta as kernels
 
     calls = collections.Counter()
@@ -189,7 +199,7 @@ def test_greedy_identical_on_the_kernels(tmp_path, monkeypatch):
 
     def switch_in():
         monkeypatch.setattr(gated_delta, "use_triton", lambda x: True)
-        for name in ("record_gated_delta_states", "chunk_gated_delta_varlen", "recurrent_gated_delta_step"):
+        for name in KERNELS:
             monkeypatch.setattr(kernels, name, counted(name))
 
     path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=4)
@@ -200,7 +210,7 @@ def test_greedy_identical_on_the_kernels(tmp_path, monkeypatch):
                                   before_spec=switch_in)
     same_outputs(want, got)
     assert set(spec.engine.proposer.lengths) == {0, 1, 2, 3}
-    assert min(calls.values()) > 0 and len(calls) == 3, dict(calls)
+    assert set(calls) == set(KERNELS) - {"record_gated_delta_states"}, dict(calls)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])

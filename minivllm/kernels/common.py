@@ -4,6 +4,11 @@ import torch
 # The gated delta rule works in chunks of this many tokens: one tl.dot tile per chunk in
 # kernels.gated_delta, and the torch reference (ops.gated_delta) chunks the same way.
 CHUNK_SIZE = 64
+# A prefill step whose sequences each compute at most this many tokens (speculative
+# decoding's verifying steps, short prompts) runs the gated delta rule and its conv token by
+# token, one launch per layer (kernels.gated_delta's short-step kernels): no chunk to build,
+# no host-side loop, and a verify graph can capture it.
+SHORT_STEP_TOKENS = 16
 
 # Integer arguments that change from step to step (a row count, a block table's width, a
 # number of splits) are ``do_not_specialize`` in their kernels: Triton would otherwise

@@ -21,9 +21,19 @@ Prefill, chunks of C = 64 tokens (``kernels.common.CHUNK_SIZE``), two kernels:
      per chunk and head: compute-bound at long prompts, bytes ~ q, k, v, W, U once.
 Queries and keys are L2-normalised inside the kernels (float32), as the reference does.
 
-Speculative decoding, ``_record_states_kernel``: a verifying sequence's state after each of
-its first d tokens, kept for the engine to roll back to (beside whichever pass computes
-the step's outputs and final states; it runs first, from the slot's state).
+Short steps (every sequence at most ``SHORT_STEP_TOKENS`` tokens: speculative decoding's
+verifying steps, short prompts), ``_recurrent_short_kernel`` and ``_conv_short_kernel``: the
+decode step's recurrence run token by token over each sequence's few tokens, in one launch
+per layer whatever the batch. A verifying sequence's state after each of its first d tokens
+is stored on the way (into the spec pools, for the engine to roll back to). Everything they
+read about the step is on the device (cu_seqlens, slots, counts), so a CUDA graph can hold
+them: a verify graph replays a padded batch of short sequences.
+  bytes ~ (2 + d) * Hv * dk * dv * 4 per sequence (its state in and out, d states kept)
+  FLOPs ~ 8 * T * Hv * dk * dv for T tokens
+
+Speculative decoding in a longer step, ``_record_states_kernel``: the same kept states,
+beside the chunked pass that computes the step's outputs and final states (it runs first,
+from the slot's state).
   bytes ~ (1 + d) * Hv * dk * dv * 4 per verifying sequence (its state in, d states out)
   FLOPs ~ 5 * d * Hv * dk * dv
 """
@@ -255,6 +265,203 @@ def record_gated_delta_states(
         spec_states.stride(0), spec_states.stride(1), spec_states.stride(2), spec_states.stride(3),
         DK=dk, DV=dv, GROUP=num_v_heads // q.shape[1], BK=bk, BV=bv,
     )
+
+
+# -- short steps --------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_short_kernel(
+    x_ptr,  # [T, D]: the step's inputs, packed by sequence
+    w_ptr,  # [D, K]
+    state_ptr,  # [slots, D, K - 1]: each sequence's last K - 1 inputs, replaced by the new last ones
+    slot_ptr,  # [num_seqs]: each sequence's state slot, -1 for padding
+    init_ptr,  # [num_seqs]: 1 to continue from the slot's state, 0 to start from zeros
+    cu_ptr,  # [num_seqs + 1]: where each sequence starts
+    count_ptr,  # [num_seqs]: how many windows to keep (with HAS_SPEC)
+    spec_ptr,  # [slots, k, D, K - 1]: entry j the window after the sequence's input j (with HAS_SPEC)
+    out_ptr,  # [T, D]
+    D, stride_x, stride_o, stride_w, stride_ss, stride_sd, stride_ps, stride_pj, stride_pd,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPEC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, BLOCK_K)
+    slot = tl.load(slot_ptr + n)
+    bos = tl.load(cu_ptr + n)
+    length = tl.load(cu_ptr + n + 1) - bos
+    count = tl.load(count_ptr + n)  # (without HAS_SPEC: any valid pointer, unused)
+    dm = d < D
+    real = (d * 0 + slot) >= 0  # [BLOCK_D]: slot -1, a padding sequence
+    keep = real & ((d * 0 + tl.load(init_ptr + n)) != 0)  # [BLOCK_D]: continue from the slot's window
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    base = state_ptr + slot * stride_ss + d[:, None] * stride_sd
+    w = tl.load(w_ptr + d[:, None] * stride_w + i[None, :], mask=dm[:, None] & (i[None, :] < K), other=0.0)
+    # Input m of the sequence: x[bos + m] for m >= 0, state column K - 1 + m before it.
+    for j in range(0, length):
+        m = j - (K - 1) + i  # [BLOCK_K]: the inputs tap i sees at input j
+        taps = dm[:, None] & (i[None, :] < K)
+        from_x = tl.load(x_ptr + (bos + tl.maximum(m, 0))[None, :] * stride_x + d[:, None],
+                         mask=taps & (m[None, :] >= 0), other=0.0).to(tl.float32)
+        from_state = tl.load(base + tl.maximum(K - 1 + m, 0)[None, :], mask=taps & (m[None, :] < 0) & keep[:, None],
+                             other=0.0).to(tl.float32)
+        acc = tl.sum((from_x + from_state) * w.to(tl.float32), axis=1)
+        out = tl.where(real, acc * tl.sigmoid(acc), 0.0)
+        tl.store(out_ptr + (bos + j) * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=dm)
+        if HAS_SPEC:
+            # The window after input j: inputs j - (K - 2) .. j, column c holding j - (K - 2) + c.
+            m = j - (K - 2) + i
+            cols = dm[:, None] & (i[None, :] < K - 1)
+            window = tl.load(x_ptr + (bos + tl.maximum(m, 0))[None, :] * stride_x + d[:, None],
+                             mask=cols & (m[None, :] >= 0), other=0.0)
+            window += tl.load(base + tl.maximum(K - 1 + m, 0)[None, :], mask=cols & (m[None, :] < 0) & keep[:, None],
+                              other=0.0).to(window.dtype)
+            tl.store(spec_ptr + slot * stride_ps + j * stride_pj + d[:, None] * stride_pd + i[None, :],
+                     window.to(spec_ptr.dtype.element_ty), mask=cols & (real & ((d * 0 + j) < count))[:, None])
+    # The new state: the last K - 1 inputs, all read before any is written.
+    m = length - (K - 1) + i
+    cols = dm[:, None] & (i[None, :] < K - 1)
+    last = tl.load(x_ptr + (bos + tl.maximum(m, 0))[None, :] * stride_x + d[:, None],
+                   mask=cols & (m[None, :] >= 0), other=0.0)
+    last += tl.load(base + tl.maximum(K - 1 + m, 0)[None, :], mask=cols & (m[None, :] < 0) & keep[:, None],
+                    other=0.0).to(last.dtype)
+    tl.store(base + i[None, :], last.to(state_ptr.dtype.element_ty), mask=cols & (real & ((d * 0 + length) > 0))[:, None])
+
+
+def causal_conv1d_short(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+    has_initial_state: torch.Tensor, cu_seqlens: torch.Tensor, counts: torch.Tensor | None = None,
+    spec_conv_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SiLU(causal conv) of a few new inputs per packed sequence (cu_seqlens), each sequence
+    continuing from its conv state (zeros where has_initial_state is 0) and leaving its last
+    K - 1 inputs there. With ``counts``, sequence i also leaves its window after each of its
+    first counts[i] inputs in spec_conv_states[slots[i], :counts[i]] ([slots, k, D, K - 1]).
+    x: [T, D]; weight: [D, K]; conv_states: [slots, D, K - 1]; slot -1: a padding sequence
+    (output zeros, nothing written). One program per (sequence, block of channels), a loop
+    over the sequence's inputs: for steps of a few tokens per sequence."""
+    num_tokens, dim = x.shape
+    width = weight.shape[1]
+    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
+        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
+    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
+        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+    num_seqs = cu_seqlens.shape[0] - 1
+    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
+        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
+                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    has_spec = counts is not None
+    if has_spec and (spec_conv_states is None or spec_conv_states.shape[0] != conv_states.shape[0]
+                     or spec_conv_states.shape[2:] != conv_states.shape[1:] or spec_conv_states.stride(3) != 1):
+        raise ValueError(f"spec_conv_states must be [{conv_states.shape[0]}, k, {dim}, {width - 1}], contiguous along "
+                         f"the kernel width, got {None if spec_conv_states is None else tuple(spec_conv_states.shape)}")
+    out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+    spec = spec_conv_states if has_spec else conv_states  # (never read without HAS_SPEC)
+    block_d = 256 if x.is_cuda else 32
+    _conv_short_kernel[(num_seqs, triton.cdiv(dim, block_d))](
+        x, weight, conv_states, slots, has_initial_state, cu_seqlens, counts if has_spec else slots, spec, out,
+        dim, x.stride(0), out.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
+        spec.stride(0), spec.stride(1) if has_spec else 0, spec.stride(2) if has_spec else 0,
+        K=width, BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d, HAS_SPEC=has_spec,
+    )
+    return out
+
+
+@triton.jit
+def _recurrent_short_kernel(
+    q_ptr,  # [T, Hk, dk] (raw: normalised here)
+    k_ptr,  # [T, Hk, dk] (raw)
+    v_ptr,  # [T, Hv, dv]
+    g_ptr,  # [T, Hv] float32, log decay
+    beta_ptr,  # [T, Hv] float32
+    state_ptr,  # [slots, Hv, dk, dv] float32: each sequence's state, replaced by the one after its tokens
+    slot_ptr,  # [num_seqs]: each sequence's state slot, -1 for padding
+    init_ptr,  # [num_seqs]: 1 to continue from the slot's state, 0 to start from zeros
+    cu_ptr,  # [num_seqs + 1]: where each sequence starts
+    count_ptr,  # [num_seqs]: how many states to keep (with HAS_SPEC)
+    spec_ptr,  # [slots, k, Hv, dk, dv] float32: entry j the state after the sequence's token j (with HAS_SPEC)
+    out_ptr,  # [T, Hv, dv]
+    scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_ps, stride_pj, stride_ph, stride_pk,
+    DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_SPEC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BK)
+    slot = tl.load(slot_ptr + n)
+    keep = tl.load(init_ptr + n) != 0
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    count = tl.load(count_ptr + n)  # (without HAS_SPEC: any valid pointer, unused)
+    km, vm = rows < DK, cols < DV
+    real = (cols * 0 + slot) >= 0  # [BV]: slot -1, a padding sequence
+    sm = km[:, None] & (vm & real)[None, :]  # what this program may read and write of a state
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    hk = h // GROUP
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
+    p_ptrs = spec_ptr + slot * stride_ps + h * stride_ph + rows[:, None] * stride_pk + cols[None, :]
+    state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
+    for t in range(bos, eos):  # the decode step's update, one token at a time
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rows, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h)
+        beta = tl.load(beta_ptr + t * stride_bt + h)
+        state = state * tl.exp(g)
+        predicted = tl.sum(state * k[:, None], axis=0)
+        delta = beta * (v - predicted)
+        state = state + k[:, None] * delta[None, :]
+        out = tl.where(real, tl.sum(state * q[:, None], axis=0), 0.0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=vm)
+        if HAS_SPEC:
+            tl.store(p_ptrs + (t - bos) * stride_pj, state, mask=sm & ((rows * 0 + (t - bos)) < count)[:, None])
+    tl.store(s_ptrs, state, mask=sm & ((rows * 0 + eos) > bos)[:, None])
+
+
+def recurrent_gated_delta_short(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+    counts: torch.Tensor | None = None, spec_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule over a few tokens per packed sequence (cu_seqlens), token by
+    token as a decode step computes it: each sequence starts from its slot's state (zeros
+    where has_initial_state is 0) and leaves its final state there. With ``counts``,
+    sequence i also leaves its state after each of its first counts[i] tokens in
+    spec_states[slots[i], :counts[i]] ([slots, k, Hv, dk, dv] float32). q, k: [T, Hk, dk]
+    (raw); v: [T, Hv, dv]; g, beta: [T, Hv] float32; states: [slots, Hv, dk, dv] float32;
+    slot -1: a padding sequence (output zeros, nothing written). Returns [T, Hv, dv] in v's
+    dtype."""
+    _, num_k_heads, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
+        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
+                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    has_spec = counts is not None
+    if has_spec and (spec_states is None or spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0]
+                     or spec_states.shape[2:] != states.shape[1:] or spec_states.dtype != torch.float32
+                     or not spec_states.is_contiguous()):
+        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
+                         f"got {None if spec_states is None else (tuple(spec_states.shape), spec_states.dtype)}")
+    out = torch.empty_like(v)
+    spec = spec_states if has_spec else states  # (never read without HAS_SPEC)
+    bk = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), 32 if q.is_cuda else 16)
+    _recurrent_short_kernel[(num_seqs, num_v_heads, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, states, slots, has_initial_state, cu_seqlens, counts if has_spec else slots, spec, out,
+        dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
+        spec.stride(0), spec.stride(1) if has_spec else 0, spec.stride(2) if has_spec else 0,
+        spec.stride(3) if has_spec else 0,
+        DK=dk, DV=dv, GROUP=num_v_heads // num_k_heads, BK=bk, BV=bv, HAS_SPEC=has_spec,
+    )
+    return out
 
 
 # -- prefill ----------------------------------------------------------------------------
