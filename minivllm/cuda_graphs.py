@@ -12,6 +12,12 @@ and no keys (their ``cu_seqlens_q`` entries repeat the last one, their context l
 0); the padding rows store nothing (slot -1) and what is computed for them is dropped. The
 buffers have the dtypes of an eager step's fields (int64), so a graph runs the kernels an
 eager pass would.
+
+A hybrid model's Gated DeltaNet layers also read each sequence's state slot, whether it
+continues from it, and how many states it keeps for a rollback (``Context.state_slots``,
+``has_initial_state``, ``spec_state_counts``): with ``state_slots=True`` those are static
+buffers too, and the padding sequences have slot -1, which the short-step kernels that such
+a step runs (``minivllm.kernels.gated_delta``) neither read nor write.
 """
 from __future__ import annotations
 
@@ -22,13 +28,18 @@ import torch
 from minivllm.context import Context, get_context, reset_context, set_context
 
 
+# The Context's fields of a hybrid model's state slots, static under ``state_slots=True``.
+STATE_FIELDS = ("state_slots", "has_initial_state", "spec_state_counts")
+
+
 class PaddedGraphs:
     """One captured ``forward(input_ids, positions)`` per size in ``sizes`` (ascending), for
     steps in which each sequence computes at most ``query_len`` tokens (1: a decode pass,
     on the decode kernels; more: a prefill pass, on the prefill kernels)."""
 
-    def __init__(self, sizes: list[int], query_len: int, max_blocks: int, device: torch.device):
-        self.sizes, self.query_len = sizes, query_len
+    def __init__(self, sizes: list[int], query_len: int, max_blocks: int, device: torch.device,
+                 state_slots: bool = False):
+        self.sizes, self.query_len, self.state_slots = sizes, query_len, state_slots
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = dict.fromkeys(sizes, 0)  # how often each graph ran
         rows, top, i64 = sizes[-1] * query_len, sizes[-1], torch.int64
@@ -40,6 +51,10 @@ class PaddedGraphs:
             "block_tables": torch.zeros(top, max_blocks, dtype=i64, device=device),
             "cu_seqlens_q": torch.zeros(top + 1, dtype=i64, device=device),
         }
+        if state_slots:  # (padding sequences: slot -1, from zeros, nothing kept)
+            self.static |= {"state_slots": torch.full((top,), -1, dtype=i64, device=device),
+                            "has_initial_state": torch.zeros(top, dtype=i64, device=device),
+                            "spec_state_counts": torch.zeros(top, dtype=i64, device=device)}
         self.out: torch.Tensor | None = None  # what forward returns, for the largest size
 
     def capture(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_context_len: int,
@@ -53,9 +68,10 @@ class PaddedGraphs:
             s["cu_seqlens_q"][: bs + 1] = torch.arange(bs + 1, device=s["cu_seqlens_q"].device) * q
             s["context_lens"][:bs] = q
             rows = bs * q
+            states = {name: s[name][:bs] for name in STATE_FIELDS} if self.state_slots else {}
             set_context(is_prefill=q > 1, cu_seqlens_q=s["cu_seqlens_q"][: bs + 1], slot_mapping=s["slot_mapping"][:rows],
                         context_lens=s["context_lens"][:bs], block_tables=s["block_tables"][:bs], max_seqlen_q=q,
-                        max_context_len=max_context_len)
+                        max_context_len=max_context_len, **states)
             try:
                 out = forward(s["input_ids"][:rows], s["positions"][:rows])
                 if self.out is None:
@@ -92,6 +108,14 @@ class PaddedGraphs:
         s["cu_seqlens_q"][: num_seqs + 1] = ctx.cu_seqlens_q
         s["cu_seqlens_q"][num_seqs + 1 : bs + 1] = ctx.cu_seqlens_q[-1]  # padding sequences: no queries
         s["block_tables"][:num_seqs, : ctx.block_tables.shape[1]] = ctx.block_tables
+        if self.state_slots:
+            for name, pad in zip(STATE_FIELDS, (-1, 0, 0)):
+                src = getattr(ctx, name)
+                if src is None:  # spec_state_counts in a step that verifies nothing
+                    s[name][:num_seqs].fill_(pad)
+                else:
+                    s[name][:num_seqs] = src
+                s[name][num_seqs:bs].fill_(pad)
         self.graphs[bs].replay()
         self.replays[bs] += 1
         return self.out

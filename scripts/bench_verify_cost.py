@@ -12,23 +12,37 @@ here; with ``--acceptance a`` (the chance that a draft is accepted, from a run o
 text) it prints the speed-up that follows, (1 - a^(k+1)) / (1 - a) / ratio, proposer's
 cost left out.
 
+``--family qwen3_5``: the same widths laid out as a hybrid model (three Gated DeltaNet
+layers to one attention layer, the linear-attention heads of a Qwen3.5 layer, random
+weights), each sequence in a state slot of its own; a verifying step keeps its states for
+a rollback, as the engine's do.
+
 With ``--profile`` each step kind also runs under the torch profiler: its kernels' device
 time per step, by kernel (the top ``--top``), and how much of the step's wall time the GPU
 was busy, so that a verifying step's extra cost can be put on the kernels that carry it.
 
     python scripts/bench_verify_cost.py [--context 512] [--k 1 2 3 4 6 8] [--batch-sizes 1 4 16 64]
-        [--acceptance 0.6] [--profile] [--out benchmarks/verify_cost.json]
+        [--acceptance 0.6] [--family qwen3_5] [--profile] [--out benchmarks/verify_cost.json]
 """
 import argparse
 import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minivllm import LLM
+from minivllm.bench.gated_delta import QWEN3_5_LAYER
+from minivllm.bench.roofline import QWEN3_0_6B
 from minivllm.bench.throughput import model_checkpoint
 from minivllm.engine.model_runner import ModelRunner, StepInputs
+
+HYBRID = QWEN3_0_6B | dict(  # Qwen3-0.6B's widths, Qwen3.5's layout and linear-attention heads
+    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+    linear_num_key_heads=QWEN3_5_LAYER["num_k_heads"], linear_num_value_heads=QWEN3_5_LAYER["num_v_heads"],
+    linear_key_head_dim=QWEN3_5_LAYER["dk"], linear_value_head_dim=QWEN3_5_LAYER["dv"])
+HYBRID["layer_types"] = HYBRID["layer_types"] * (HYBRID["num_hidden_layers"] // 4)
 
 
 def step_inputs(context: int, new: int, block_size: int, num_seqs: int) -> StepInputs:
@@ -40,7 +54,7 @@ def step_inputs(context: int, new: int, block_size: int, num_seqs: int) -> StepI
     for i in range(num_seqs):
         table = list(range(i * per_seq, (i + 1) * per_seq))
         positions = list(range(context, total))
-        fields["input_ids"] += [(7 * p + i) % 10000 for p in positions]
+        fields["input_ids"] += [(7 * p + i) % 500 for p in positions]  # (any ids: the cost does not depend on them)
         fields["positions"] += positions
         fields["slot_mapping"] += [table[p // block_size] * block_size + p % block_size for p in positions]
         fields["context_lens"].append(total)
@@ -55,14 +69,25 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def run_step(runner, step: StepInputs):
+    """Upload ``step`` and run it; a hybrid model's sequences i = 0, 1, ... in state slot i,
+    continuing from it, a verifying one keeping a state per draft."""
+    input_ids, positions = ModelRunner.upload(runner, step)
+    if runner.state_layers:
+        n, per_seq = step.num_seqs, step.max_seqlen_q
+        rows = [range(n), [1] * n] + ([[per_seq - 1] * n] if per_seq > 1 else [])
+        runner._set_state_slots(np.array(rows, dtype=np.int64))
+    return runner.execute(input_ids, positions)
+
+
 def time_step(runner, step: StepInputs, repeats: int, rows: int) -> float:
     """Seconds per forward pass and LM head of ``step``, whose logits have ``rows`` rows."""
     for _ in range(5):  # warm-up
-        runner.execute(*ModelRunner.upload(runner, step))
+        run_step(runner, step)
     sync()
     start = time.perf_counter()
     for _ in range(repeats):
-        logits, _ = runner.execute(*ModelRunner.upload(runner, step))
+        logits, _ = run_step(runner, step)
     sync()
     assert logits.shape[0] == rows
     return (time.perf_counter() - start) / repeats
@@ -74,12 +99,12 @@ def profile_step(runner, step: StepInputs, repeats: int, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
-        runner.execute(*ModelRunner.upload(runner, step))
+        run_step(runner, step)
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(repeats):
-            runner.execute(*ModelRunner.upload(runner, step))
+            run_step(runner, step)
         sync()
         wall = (time.perf_counter() - start) / repeats
     kernels = {}
@@ -111,13 +136,16 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, default=None, help="a draft's chance of acceptance, 0..1")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--model", default=None, help="default: Qwen3-0.6B's shapes, random weights")
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_5"])
     parser.add_argument("--profile", action="store_true", help="kernel times per step, by kernel")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     for k in args.k:
-        llm = LLM(args.model or str(model_checkpoint()), dtype="bfloat16", max_model_len=None if args.model else 4096,
+        default = (model_checkpoint() if args.family == "qwen3" else
+                   model_checkpoint("qwen3_5-0.6b-widths-random", HYBRID, family="qwen3_5"))
+        llm = LLM(args.model or str(default), dtype="bfloat16", max_model_len=None if args.model else 4096,
                   enforce_eager=args.enforce_eager, async_scheduling=False, max_num_seqs=max(args.batch_sizes),
                   speculative_config={"method": "ngram", "num_speculative_tokens": k})
         runner = llm.engine.runner
@@ -141,7 +169,8 @@ def main() -> None:
             rows.append(row)
         llm.shutdown()
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "model": "random weights, Qwen3-0.6B shapes, bfloat16", "context": args.context,
+              "model": args.model or ("random weights, Qwen3-0.6B shapes, bfloat16" if args.family == "qwen3" else
+                                      "random weights, Qwen3-0.6B widths in Qwen3.5's hybrid layout, bfloat16"), "context": args.context,
               "enforce_eager": args.enforce_eager, "acceptance": args.acceptance, "steps": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

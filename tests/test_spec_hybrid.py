@@ -279,19 +279,76 @@ def test_record_kernel_at_qwen3_5_shape():
 
 
 @pytest.mark.gpu
+def test_short_step_kernels_at_qwen3_5_shape():
+    """The short-step kernels at a real Gated DeltaNet layer's shape, bfloat16 inputs, a
+    padded verify graph's layout (an empty sequence, a padding one): outputs, final states
+    and kept states against the recurrence in float32, and nothing written for the padding
+    sequence (the pools start as NaN where nothing may be read, random where it may)."""
+    from minivllm.kernels.gated_delta import causal_conv1d_short, recurrent_gated_delta_short
+    from minivllm.ops.gated_delta import causal_conv1d, gated_delta_step, prepare_qk
+
+    hk, hv, dk, dv, k, width = 16, 32, 128, 128, 4, 4
+    lens, counts, slots = [5, 1, 3, 0, 5], [4, 0, 2, 0, 4], [5, 0, 7, 2, -1]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dim = 2 * hk * dk + hv * dv
+    mixed = torch.randn(sum(lens), dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, kk, v = (mixed[:, : hk * dk].view(-1, hk, dk), mixed[:, hk * dk : 2 * hk * dk].view(-1, hk, dk),
+                mixed[:, 2 * hk * dk :].view(-1, hv, dv))
+    decay = -torch.rand(sum(lens), hv, device="cuda", generator=g) * 0.5
+    beta = torch.rand(sum(lens), hv, device="cuda", generator=g)
+    weight = torch.randn(dim, width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.3
+    states = torch.randn(8, hv, dk, dv, device="cuda", generator=g) * 0.1
+    conv = torch.randn(8, dim, width - 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    spec = torch.full((8, k, hv, dk, dv), float("nan"), device="cuda")
+    spec_conv = torch.full((8, k, dim, width - 1), float("nan"), device="cuda", dtype=torch.bfloat16)
+    before, conv_before = states.clone(), conv.clone()
+    dev = lambda x: torch.tensor(x, device="cuda")  # noqa: E731
+    cu, has_initial = dev([0, *lens]).cumsum(0), dev([1, 0, 1, 1, 1])
+    conv_out = causal_conv1d_short(mixed, weight, conv, dev(slots), has_initial, cu, dev(counts), spec_conv)
+    out = recurrent_gated_delta_short(q, kk, v, decay, beta, states, dev(slots), has_initial, cu, dev(counts), spec)
+    qp, kp = prepare_qk(q, kk, hv)
+    for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        slot = slots[i]
+        if slot < 0:
+            assert out[start : start + n].abs().max() == 0 and conv_out[start : start + n].abs().max() == 0
+            continue
+        state = before[slot] if has_initial[i] else torch.zeros_like(before[slot])
+        window = conv_before[slot].float() if has_initial[i] else torch.zeros_like(conv_before[slot], dtype=torch.float32)
+        for j in range(n):
+            t = slice(start + j, start + j + 1)
+            ref_out, state = gated_delta_step(state[None], qp[t], kp[t], v[t].float(), decay[t], beta[t])
+            state = state[0]
+            ref_conv, window = causal_conv1d(mixed[t].float(), weight.float(), window)
+            torch.testing.assert_close(out[start + j].float(), ref_out[0], atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(conv_out[start + j].float(), torch.nn.functional.silu(ref_conv[0]),
+                                       atol=5e-2, rtol=2e-2)
+            if j < counts[i]:
+                torch.testing.assert_close(spec[slot, j], state, atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(spec_conv[slot, j].float(), window)
+        torch.testing.assert_close(states[slot], state if n else before[slot], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(conv[slot].float(), window if n else conv_before[slot].float())
+        assert spec[slot, counts[i]:].isnan().all() and spec_conv[slot, counts[i]:].isnan().all()
+    for slot in (1, 2, 3, 4, 6):  # nobody's, the empty sequence's
+        assert torch.equal(states[slot], before[slot]) and torch.equal(conv[slot], conv_before[slot])
+    assert spec[[1, 2, 3, 4, 6]].isnan().all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_greedy_identical_on_gpu(tmp_path, family):
     """On a GPU, float32: decode steps replay CUDA graphs (the recurrent and conv-update
-    kernels), verifying steps run the chunked kernel eagerly and keep their states with the
-    record kernel; every acceptance length occurs, and the outputs are those of
-    speculation off, token for token."""
+    kernels), verifying steps replay verify graphs (the short-step kernels, which keep the
+    states as they go), batches of several sequences among them; every acceptance length
+    occurs, and the outputs are those of speculation off, token for token."""
     path = make_tiny_checkpoint(tmp_path, family=family, seed=6, hidden_size=256, num_attention_heads=8,
                                 num_key_value_heads=2, head_dim=32, linear_key_head_dim=64, linear_value_head_dim=64)
     prompts, params = workload(seed=7, n=24)
     want, got, spec = with_oracle(path, prompts, params, 4, dict(gpu_memory_utilization=0.3, async_scheduling=False))
     same_outputs(want, got, logprob_tol=1e-3)
     assert set(spec.engine.proposer.lengths) == set(range(5))
-    assert spec.engine.runner.graphs, "decode steps did not run on CUDA graphs"
+    runner = spec.engine.runner
+    assert runner.graphs, "decode steps did not run on CUDA graphs"
+    assert sum(n for bs, n in runner.verify_graphs.replays.items() if bs > 1) > 0, "no batched verify graph replayed"
 
 
 def test_state_pools_that_do_not_fit_are_a_clear_error(tmp_path):

@@ -15,8 +15,10 @@ lies beyond its end and is overwritten later.
 CUDA graphs: a verifying step has several tokens per sequence, so it is not a decode
 step; on a GPU it replays a verify graph (``minivllm.cuda_graphs``: per decode batch size,
 each sequence at most 1 + k tokens, padded), and a draft model's whole proposal is one
-graph too (``minivllm.spec_decode.proposal``). A hybrid model's verifying steps and an MTP
-head's passes run eagerly.
+graph too (``minivllm.spec_decode.proposal``). A hybrid model's verifying steps replay
+verify graphs as well (their Gated DeltaNet layers run the short-step kernels, which read
+the state slots on the device), where 1 + k is at most ``SHORT_STEP_TOKENS``; an MTP head's
+passes run eagerly.
 
 Limits: the engine runs the synchronous loop. The next step's inputs (each sequence's
 positions, slots and tokens) depend on how many drafts this step accepts, and the n-gram
