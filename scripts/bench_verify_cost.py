@@ -168,14 +168,14 @@ def main() -> None:
                     print_profile(label, prof)
             rows.append(row)
         llm.shutdown()
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "model": args.model or ("random weights, Qwen3-0.6B shapes, bfloat16" if args.family == "qwen3" else
-                                      "random weights, Qwen3-0.6B widths in Qwen3.5's hybrid layout, bfloat16"), "context": args.context,
-              "enforce_eager": args.enforce_eager, "acceptance": args.acceptance, "steps": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-
+        if args.out:  # after each k: a run cut short keeps what it measured
+            model = args.model or ("random weights, Qwen3-0.6B shapes, bfloat16" if args.family == "qwen3" else
+                                   "random weights, Qwen3-0.6B widths in Qwen3.5's hybrid layout, bfloat16")
+            report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": model,
+                      "context": args.context, "enforce_eager": args.enforce_eager, "acceptance": args.acceptance,
+                      "steps": rows}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     main()
