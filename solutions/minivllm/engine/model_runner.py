@@ -10,9 +10,10 @@ padded up to the next captured size), which removes the CPU cost of launching a 
 hundred small kernels per step. A step that computes one sequence's prompt (or a chunk of
 it) replays a prefill graph padded to the next captured token count: for a short prompt
 the launches cost far more than the GPU work (a 128-token prompt of Qwen3-0.6B: about 30
-ms of host time for 1.4 ms of kernels on the H200). Under speculative decoding, a verifying step (each sequence its last token and at
-most k drafts) replays a verify graph captured per decode batch size. Other prefill steps,
-with several sequences or more tokens, run eagerly.
+ms of host time for 1.4 ms of kernels on the H200). Under speculative decoding, a verifying
+step (each sequence its last token and at most k drafts) replays a verify graph captured per
+decode batch size, for hybrid models too. Other prefill steps, with several sequences or
+more tokens, run eagerly, as every prefill step of a hybrid model does.
 
 The KV pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks, block_size,
 num_kv_heads, head_dim]. Each attention layer gets a view of its slice. On a GPU the number
@@ -35,6 +36,7 @@ from minivllm.distributed.parallel_state import get_tp_world_size, min_over_rank
 from minivllm.engine.scheduler import ScheduledBatch
 from minivllm.engine.state_pool import (allocate_state_pools, check_state_pools_fit, keep_accepted_states,
                                         state_layers, state_metadata, state_slot_bytes)
+from minivllm.kernels.common import SHORT_STEP_TOKENS
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
@@ -655,13 +657,16 @@ class ModelRunner:
                 self.graphs[bs] = self._capture(s, bs, pool)
                 pool = pool or self.graphs[bs].pool()
         self.graph_replays = dict.fromkeys(self.graph_sizes, 0)  # how often each graph ran
-        # Hybrid models' recurrent layers choose their kernels on the host from each step's
-        # chunk lengths, and a tensor-parallel group would have to capture the same graphs on
-        # every rank: those prefill eagerly.
-        if not self.state_layers and get_tp_world_size() == 1:
-            with self._startup_phase("prefill_graphs"):
-                self._capture_prefill_graphs(pool)
-            if self.config.speculative is not None:
+        # A tensor-parallel group would have to capture the same graphs on every rank: it
+        # prefills and verifies eagerly. Hybrid models' recurrent layers choose their kernels
+        # on the host from a long chunk's length: they prefill eagerly; their verifying steps
+        # (short steps, kernels.common.SHORT_STEP_TOKENS) read everything on the device.
+        if get_tp_world_size() == 1:
+            if not self.state_layers:
+                with self._startup_phase("prefill_graphs"):
+                    self._capture_prefill_graphs(pool)
+            spec = self.config.speculative
+            if spec is not None and (not self.state_layers or 1 + spec.num_speculative_tokens <= SHORT_STEP_TOKENS):
                 with self._startup_phase("verify_graphs"):
                     self._capture_verify_graphs(pool)
 
@@ -712,7 +717,7 @@ class ModelRunner:
         sizes = [bs for bs in self.graph_sizes if bs * q <= self.config.max_num_batched_tokens]
         if sizes:
             max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-            self.verify_graphs = PaddedGraphs(sizes, q, max_blocks, self.device)
+            self.verify_graphs = PaddedGraphs(sizes, q, max_blocks, self.device, state_slots=bool(self.state_layers))
             self.verify_graphs.capture(self.model, self.max_model_len, pool)
 
     def _capture(self, s: dict, n: int, pool) -> torch.cuda.CUDAGraph:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.context import Context
-from minivllm.kernels.common import CHUNK_SIZE
+from minivllm.kernels.common import CHUNK_SIZE, SHORT_STEP_TOKENS
 from minivllm.ops.dispatch import use_triton
 
 
@@ -192,6 +192,12 @@ def _spec_counts(ctx: Context, num_seqs: int, spec_pool: torch.Tensor | None) ->
     return ctx.spec_state_counts.tolist()
 
 
+def short_step(ctx: Context) -> bool:
+    """Does this prefill step run the short-step kernels (each sequence at most
+    SHORT_STEP_TOKENS tokens, the bound known on the host)?"""
+    return ctx.is_prefill and ctx.cu_seqlens_q is not None and 0 < ctx.max_seqlen_q <= SHORT_STEP_TOKENS
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None, ctx: Context,
                          spec_conv_states: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(causal conv) of a packed batch; each sequence continues from its conv state and
@@ -204,6 +210,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 
         if not ctx.is_prefill:
             return kernels.causal_conv1d_update(x, weight, conv_states, ctx.state_slots, ctx.has_initial_state)
+        if short_step(ctx):
+            keep = spec_conv_states is not None and ctx.spec_state_counts is not None
+            return kernels.causal_conv1d_short(x, weight, conv_states, ctx.state_slots, ctx.has_initial_state,
+                                               ctx.cu_seqlens_q, ctx.spec_state_counts if keep else None,
+                                               spec_conv_states if keep else None)
     out = torch.empty_like(x)
     sequences = _sequences(ctx, x.shape[0])
     counts = _spec_counts(ctx, len(sequences), spec_conv_states)
@@ -229,7 +240,7 @@ def gated_delta_rule_varlen(
     reference elsewhere. q, k: [num_tokens, Hk, dk] raw (normalised here); v: [num_tokens,
     Hv, dv]; g, beta: [num_tokens, Hv] float32; states: [slots, Hv, dk, dv] float32 or None.
     A prefill step runs the chunked form per sequence, a decode step one batched recurrent
-    step. A verifying sequence also leaves its state after each of its first
+    step, and on the GPU a short step (``short_step``) the recurrence token by token. A verifying sequence also leaves its state after each of its first
     ``ctx.spec_state_counts[i]`` tokens in ``spec_states`` [slots, k, Hv, dk, dv]. Returns
     [num_tokens, Hv, dv] in v's dtype."""
     with_pool = states is not None and ctx.state_slots is not None
@@ -237,6 +248,10 @@ def gated_delta_rule_varlen(
     if use_triton(q):
         from minivllm.kernels import gated_delta as kernels
 
+        if with_pool and short_step(ctx):  # keeps the spec states itself
+            return kernels.recurrent_gated_delta_short(
+                q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state, ctx.cu_seqlens_q,
+                ctx.spec_state_counts if keep_spec else None, spec_states if keep_spec else None)
         if keep_spec:  # first: it starts from the slots' states, which the pass below overwrites
             kernels.record_gated_delta_states(q, k, v, g, beta, states, ctx.state_slots, ctx.has_initial_state,
                                               ctx.cu_seqlens_q, ctx.spec_state_counts, spec_states)
