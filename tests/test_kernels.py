@@ -369,6 +369,75 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# A step of short queries (a verifying step of speculative decoding) after contexts long and
+# short: a query of one token, queries longer than the context before them (a prompt from
+# scratch), lengths on and off tile and block boundaries. Then, as a CUDA graph lays such a
+# step out, padding sequences (no queries, no keys) and padding rows (no sequence).
+SHORT_BATCH = ([2048, 513, 9, 130, 16, 300], [9, 4, 1, 2, 16, 5]) if CUDA else ([40, 9, 3, 17, 5], [5, 4, 1, 2, 5])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [None, 6 if not CUDA else 100])
+def test_paged_short_prefill_stores_the_step_and_attends(heads, kv_heads, head_dim, block_size, num_splits, window):
+    """The short-prefill kernel against the reference. The cache starts with random values
+    at the step's own slots (not the step's keys), so an output that reads them instead of
+    the step's K and V, or a slot left unstored, shows; every other slot must stay as it was.
+    The step's K and V hold NaN in the padding rows, which must reach no output."""
+    from minivllm.kernels.paged_attention import paged_short_prefill_attention, takes_short_prefill
+
+    lens, q_lens = SHORT_BATCH
+    assert takes_short_prefill(max(q_lens), heads // kv_heads, head_dim)
+    torch.manual_seed(7)
+    want_k, want_v, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    num_pad_seqs, padded_rows = 2, sum(q_lens) + 7
+    k, v = step_kv(want_k, want_v, tables, lens, q_lens, padded_rows)  # the cache's own rows: what must be stored
+    slots = []
+    for table, n, m in zip(tables.tolist(), lens, q_lens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n - m, n)]
+    real = len(slots)
+    slot_mapping = torch.tensor(slots + [-1] * (padded_rows - real), dtype=torch.int64, device=DEVICE)
+    k_cache, v_cache = want_k.clone(), want_v.clone()
+    flat = (-1, kv_heads, head_dim)
+    k_cache.view(flat)[slot_mapping[:real]] = torch.randn(real, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v_cache.view(flat)[slot_mapping[:real]] = torch.randn(real, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(padded_rows, heads, head_dim, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0] + q_lens + [0] * num_pad_seqs).cumsum(0).to(device=DEVICE, dtype=torch.int64)
+    all_lens = torch.tensor(lens + [0] * num_pad_seqs, dtype=torch.int64, device=DEVICE)
+    all_tables = torch.cat([tables, torch.zeros(num_pad_seqs, tables.shape[1], dtype=tables.dtype, device=DEVICE)])
+    scale = head_dim**-0.5
+    out = paged_short_prefill_attention(q, k_cache, v_cache, all_tables, all_lens, cu, max(q_lens), scale,
+                                        4096 if CUDA else max(lens), k, v, slot_mapping, sliding_window=window,
+                                        num_splits=num_splits)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), "the step's keys and values, stored exactly"
+    assert not out[:real].isnan().any()
+    ref = reference(q[:real], want_k, want_v, tables, lens, q_lens, scale, window)
+    torch.testing.assert_close(out[:real].float(), ref, **TOL)
+
+
+def test_short_prefill_takes_short_steps_only():
+    """The dispatch's bound: up to SHORT_QUERY tokens a sequence, in a tile of at most
+    SHORT_PREFILL_TILE elements; anything wider is refused by the kernel, by name."""
+    from minivllm.kernels.paged_attention import (SHORT_QUERY, paged_short_prefill_attention, short_prefill_pays,
+                                                  takes_short_prefill)
+
+    assert takes_short_prefill(4, 2, 128) and takes_short_prefill(SHORT_QUERY, 2, 128) and takes_short_prefill(1, 8, 256)
+    assert not takes_short_prefill(SHORT_QUERY + 1, 1, 64)  # past SHORT_QUERY
+    assert not takes_short_prefill(16, 8, 128)  # 128 rows of 128
+    assert not takes_short_prefill(0, 2, 128)
+    # Only while the prefill kernel's (sequence, K/V head) programs fill a quarter of the GPU.
+    assert short_prefill_pays(1, 8, 132) and short_prefill_pays(4, 8, 132) and short_prefill_pays(8, 4, 132)
+    assert not short_prefill_pays(5, 8, 132) and not short_prefill_pays(16, 8, 132)
+    q = torch.randn(17, 2, 16, device=DEVICE, dtype=DTYPE)
+    k_cache = torch.randn(4, 4, 1, 16, device=DEVICE, dtype=DTYPE)
+    kv = torch.randn(17, 1, 16, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0, 17], device=DEVICE)
+    with pytest.raises(ValueError, match="max_seqlen_q=17"):
+        paged_short_prefill_attention(q, k_cache, k_cache, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+                                      torch.tensor([17], device=DEVICE), cu, 17, 0.25, 17, kv, kv,
+                                      torch.arange(17, device=DEVICE))
+
+
 def test_paged_prefill_rejects_bad_config_and_out():
     from minivllm.kernels.paged_attention import paged_prefill_attention
 

@@ -103,6 +103,15 @@ def varlen_attention(
     if use_cache and use_triton(q):
         from minivllm.kernels import kv_store, paged_attention
 
+        if (ctx.is_prefill and ctx.cu_seqlens_q is not None
+                and paged_attention.takes_short_prefill(ctx.max_seqlen_q, q.shape[1] // k_cache.shape[2], q.shape[2])
+                and paged_attention.short_prefill_pays(ctx.cu_seqlens_q.shape[0] - 1, k_cache.shape[2],
+                                                       paged_attention.sm_count(q))):
+            # Few queries a sequence and few sequences (a verifying step at a small batch):
+            # split the context as a decode step does, the KV store fused.
+            return paged_attention.paged_short_prefill_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
+                ctx.max_context_len, k, v, ctx.slot_mapping, sliding_window=sliding_window)
         if ctx.is_prefill:
             kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
             return paged_attention.paged_prefill_attention(

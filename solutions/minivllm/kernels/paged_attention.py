@@ -193,6 +193,12 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+def sm_count(x: torch.Tensor) -> int:
+    """Multiprocessors of x's GPU (132 on an H200); 4 off the GPU, where the interpreter runs
+    the kernels and only the plan's shape matters."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """How many programs share each sequence's keys: enough for about twelve programs per
     multiprocessor, but no split shorter than 256 tokens of ``max_context_len``.
@@ -260,7 +266,7 @@ def paged_decode_attention(
         # The online softmax takes each row's max of the raw scores before scaling them.
         raise ValueError(f"scale must be > 0, got {scale}")
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sms = sm_count(q)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
     new_kv = k is not None
     if new_kv != (v is not None) or new_kv != (slot_mapping is not None):
@@ -610,5 +616,230 @@ def paged_prefill_attention(
         block_tables.stride(0), sliding_window or 0,
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PRECISION=dot_precision(q.dtype), **config,
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _short_prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    context_lens_ptr,  # [num_seqs]: keys per sequence after this step, its own included
+    cu_seqlens_ptr,  # [num_seqs + 1]: where each sequence's queries start in q
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] float32; with DIRECT, the output
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] float32 (not read with DIRECT)
+    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the step's own keys
+    v_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: its values
+    slot_ptr,  # [num_tokens]: where they go in the cache, -1 for a padding row
+    scale,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
+    window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr, DIRECT: tl.constexpr,
+):
+    wait_for_previous(USE_PDL)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+    if q_len == 0:
+        return  # a padding sequence (a CUDA graph's): no queries, no keys
+    cached = tl.load(context_lens_ptr + b) - q_len  # keys in the cache before this step
+
+    # The tile's rows: BLOCK_Q query positions x the BLOCK_G heads of one KV group (position
+    # major), as the prefill kernel lays them out: each K/V tile loaded serves all of them.
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    qi = r // BLOCK_G
+    g = r % BLOCK_G
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    row_valid = (qi < q_len) & (g < GROUP)
+    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    q_pos = cached + qi
+    qk_scale = scale * LOG2E
+    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+
+    # The cached keys: every query sees all of them (a sliding window aside), so they are
+    # cut into the grid's splits as the decode kernel cuts a context, in whole tiles, from
+    # the tile that holds the first key the first query's window shows.
+    first = tl.maximum(tl.where(window > 0, cached + 1 - window, 0), 0)
+    lo = first // BLOCK_N * BLOCK_N
+    partition = tl.cdiv(tl.cdiv(tl.maximum(cached - lo, 0), tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = lo + split * partition
+    end = tl.minimum(start + partition, cached)
+    bt_ptr = block_tables_ptr + b * stride_bt
+    last_block = tl.maximum(cached - 1, 0) // BLOCK_SIZE
+    for n0 in range(start, end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = (n < end) & (n >= first)
+        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
+                             BLOCK_SIZE, BLOCK_N, False)
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        visible = valid[None, :] & (q_pos[:, None] >= 0)
+        if window > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+
+    # The step's own keys are not in the cache yet: split 0 takes them from the step's K and
+    # V (causal among the queries), and stores them at their slots, the KV store fused. No
+    # program reads those slots, so nothing waits for the store.
+    if split == 0:
+        j = tl.arange(0, BLOCK_QK)
+        j_valid = j < q_len
+        k_new = tl.load(k_new_ptr + (q_start + j)[:, None] * stride_knt + kv_head * stride_knh + d[None, :],
+                        mask=j_valid[:, None], other=0.0)  # [BLOCK_QK, HEAD_DIM]
+        v_new = tl.load(v_new_ptr + (q_start + j)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
+                        mask=j_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k_new), input_precision=PRECISION)  # [rows, BLOCK_QK]
+        visible = j_valid[None, :] & (j[None, :] <= qi[:, None])
+        if window > 0:
+            visible = visible & (j[None, :] > qi[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m, l, acc = _online_softmax_update(m, l, acc, s, v_new, qk_scale, PRECISION)
+        slot = tl.load(slot_ptr + q_start + j, mask=j_valid, other=-1)
+        keep = slot >= 0
+        safe = tl.where(keep, slot, 0)
+        dst = (safe // BLOCK_SIZE).to(tl.int64) * stride_cb + (safe % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty), mask=keep[:, None])
+        tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new.to(v_cache_ptr.dtype.element_ty), mask=keep[:, None])
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    base = (q_start + qi) * stride_pt + heads * stride_ph + split * stride_ps
+    if DIRECT:
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
+        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse, mask=row_valid)
+
+
+def short_prefill_rows(max_seqlen_q: int, group: int) -> int:
+    """Rows of the short-prefill kernel's query tile: max_seqlen_q positions (a power of two)
+    times the KV group's heads (likewise), at least the 16 that ``tl.dot`` takes."""
+    return max(16, triton.next_power_of_2(max(1, max_seqlen_q)) * triton.next_power_of_2(group))
+
+
+# The largest query tile the short-prefill kernel takes, in elements (rows x head_dim): the
+# tile and its float32 accumulator stay in registers. At head_dim 128, 64 rows: a verifying
+# step of up to 15 drafts at a group of 4, of 7 at a group of 8; at head_dim 256, half that.
+# A wider step runs the prefill kernel.
+SHORT_PREFILL_TILE = 64 * 128
+
+
+def takes_short_prefill(max_seqlen_q: int, group: int, head_dim: int) -> bool:
+    """Does a prefill step of queries of at most ``max_seqlen_q`` tokens fit the short-prefill
+    kernel's tile (SHORT_QUERY tokens at most, SHORT_PREFILL_TILE elements)?"""
+    return 1 <= max_seqlen_q <= SHORT_QUERY and short_prefill_rows(max_seqlen_q, group) * head_dim <= SHORT_PREFILL_TILE
+
+
+def short_prefill_pays(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> bool:
+    """Is a short step's batch small enough that the short-prefill kernel beats the prefill
+    kernel? The prefill kernel runs one program per (sequence, K/V head) here; while those
+    fill at most a quarter of the multiprocessors, splitting each context pays for the merge.
+    On an H200 (Qwen3-0.6B shapes, 8 K/V heads, contexts of 512, three drafts, CUDA graphs),
+    a verifying step against a decode step of the same run: 1.41 against 1.55 decode steps at
+    batch 1, 1.16 against 1.18 at batch 4, but 1.21 against 1.15 at batch 8, and 1.28 against
+    1.05 at batch 16 (``scripts/bench_verify_cost.py``; benchmarks/verify_short_prefill.json)."""
+    return 4 * num_seqs * num_kv_heads <= num_sms
+
+
+def paged_short_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    max_context_len: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """A prefill step whose every sequence computes few tokens (at most ``max_seqlen_q``:
+    a verifying step of speculative decoding, a short chunk) on the decode kernel's plan:
+    one program per (sequence, K/V head, split of the cached context), all of a sequence's
+    queries and its group's heads in one tile, the splits merged by log-sum-exp. The prefill
+    kernel gives such a step one program per (sequence, K/V head), which walks the whole
+    context alone: at batch 1, 8 programs on 132 multiprocessors.
+
+    q: [num_tokens, num_heads, head_dim], packed (cu_seqlens_q); context_lens count each
+    sequence's keys after the step. ``k``, ``v`` ([num_tokens, num_kv_heads, head_dim]) are
+    the step's own keys and values, not yet in the cache: the kernel stores each at its slot
+    (-1: nothing to store) and attends over them causally. ``max_context_len`` bounds the
+    context lengths (it sizes the splits: under a CUDA graph, max_model_len). Rows of q that
+    belong to no sequence (a graph's padding) get no defined value: the caller drops them."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    rows = short_prefill_rows(max_seqlen_q, group)
+    if num_tokens and not takes_short_prefill(max_seqlen_q, group, head_dim):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} at a group of {group} and head_dim {head_dim} needs a tile of "
+                         f"{rows} x {head_dim}; this kernel takes 1 <= max_seqlen_q <= {SHORT_QUERY} and at most "
+                         f"{SHORT_PREFILL_TILE} elements (use paged_prefill_attention)")
+    if num_tokens and max_context_len < 1:
+        raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if (k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
+            or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim] = {(num_tokens, num_kv_heads, head_dim)} "
+                         f"with contiguous head_dim, slot_mapping [num_tokens]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_splits is None:
+        sms = sm_count(q)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
+    config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
+    out = torch.empty_like(q)
+    direct = num_splits == 1
+    if direct:
+        part_out, part_lse = out.unsqueeze(2), out  # lse unused
+    else:
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_g = triton.next_power_of_2(group)
+    block_q = rows // block_g
+    _short_prefill_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, part_out, part_lse, k, v, slot_mapping, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        sliding_window or 0,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_QK=max(16, block_q), PRECISION=dot_precision(q.dtype), DIRECT=direct, **pdl_options(q), **config,
+    )
+    if direct:
+        return out
+    _merge_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), **pdl_options(q),
     )
     return out
