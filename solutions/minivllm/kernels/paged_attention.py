@@ -281,11 +281,7 @@ def paged_decode_attention(
     # One split (a large batch): the kernel writes the output itself. Otherwise each split
     # writes its partial output and log-sum-exp, and the merge combines them.
     direct = num_splits == 1
-    if direct:
-        part_out, part_lse = out.unsqueeze(2), out  # [num_seqs, num_heads, 1, head_dim]; lse unused
-    else:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = split_buffers(out, num_splits)
     k_new, v_new, slots = (k, v, slot_mapping) if new_kv else (q, q, context_lens)  # unread stand-ins
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, k_new, v_new, slots, scale,
@@ -299,15 +295,35 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), DIRECT=direct, NEW_KV=new_kv,
         **pdl_options(q), **config,
     )
-    if direct:
+    return merge_splits(part_out, part_lse, out)
+
+
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the splits of a split-context kernel write, for ``out`` ([rows, num_heads,
+    head_dim]): with one split, ``out`` itself seen as [rows, num_heads, 1, head_dim] (the
+    kernel's DIRECT store; the second tensor is an unread stand-in); otherwise float32
+    partial outputs [rows, num_heads, num_splits, head_dim] and their log-sum-exps [rows,
+    num_heads, num_splits]."""
+    if num_splits == 1:
+        return out.unsqueeze(2), out
+    rows, num_heads, head_dim = out.shape
+    return (torch.empty(rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device),
+            torch.empty(rows, num_heads, num_splits, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Combine ``split_buffers``' partials into ``out`` by log-sum-exp; nothing to do after
+    one split, which the kernel wrote into ``out`` directly. Returns ``out``."""
+    rows, num_heads, num_splits, head_dim = part_out.shape
+    if num_splits == 1:
         return out
-    _merge_kernel[(num_seqs, num_heads)](
+    _merge_kernel[(rows, num_heads)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         # At least 16 split slots: one compiled merge serves every count up to 16 (a CUDA graph's
         # at max_model_len 4,096, and an eager step's up to that context).
-        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), **pdl_options(q),
+        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), **pdl_options(out),
     )
     return out
 
@@ -816,11 +832,7 @@ def paged_short_prefill_attention(
     config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
     out = torch.empty_like(q)
     direct = num_splits == 1
-    if direct:
-        part_out, part_lse = out.unsqueeze(2), out  # lse unused
-    else:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = split_buffers(out, num_splits)
     block_g = triton.next_power_of_2(group)
     block_q = rows // block_g
     _short_prefill_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -834,12 +846,4 @@ def paged_short_prefill_attention(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_QK=max(16, block_q), PRECISION=dot_precision(q.dtype), DIRECT=direct, **pdl_options(q), **config,
     )
-    if direct:
-        return out
-    _merge_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        num_splits, HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(num_splits)), **pdl_options(q),
-    )
-    return out
+    return merge_splits(part_out, part_lse, out)
