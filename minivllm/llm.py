@@ -4,20 +4,16 @@ import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import EngineConfig, generation_defaults
+from minivllm.engine.engine_args import BUNDLED_MODEL  # noqa: F401  (the tests and notebooks read it here)
 from minivllm.engine.llm_engine import LLMEngine, truncated
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.structured.tools import template_tool_calls, tool_plan
-from minivllm.tokenizer import encode_chat, load_tokenizer, message_text
-
-BUNDLED_MODEL = Path(__file__).parent / "assets" / "bundled"
-ENGINE_ARGS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device"}
+from minivllm.tokenizer import encode_chat, message_text
 
 
 @contextmanager
@@ -39,65 +35,14 @@ def frozen_heap():
         gc.unfreeze()
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A local folder, a Hugging Face hub id (through the hub cache), or the bundled model."""
-    if model is None:
-        return BUNDLED_MODEL
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if str(model).count("/") != 1 or path.exists():
-        raise ValueError(f"model {str(model)!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B'")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(
-            str(model), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
-        ))
-    except Exception as e:  # offline with no cached copy, unknown repo, no network...
-        raise ValueError(f"could not find model {str(model)!r} locally or in the Hugging Face cache: {e}") from e
-
-
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        # On a CPU, float32 is both faster and exact; on a GPU, the checkpoint's half type.
-        if device.type == "cpu":
-            return torch.float32
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(names)}")
-    return names[dtype]
-
-
 class LLM:
     """Offline inference. ``LLM()`` with no model uses the small bundled model."""
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                  device: str | None = None, **engine_args):
-        unknown = set(engine_args) - ENGINE_ARGS
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(ENGINE_ARGS)}")
-        path = resolve_model(model)
-        from minivllm.config import ModelConfig
-
-        model_config = ModelConfig.from_pretrained(path)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        config = EngineConfig(
-            model=str(path), dtype=resolve_dtype(dtype, model_config.torch_dtype, device),
-            device=str(device), **engine_args,
-        )
-        config.check_max_model_len(model_config)  # before the weights are loaded, not after
-        # The checkpoint's suggested sampling settings, checked now rather than at the first request.
-        self.default_sampling_fields = generation_defaults(path, config.generation_config)
-        SamplingParams(**self.default_sampling_fields)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.tokenizer = load_tokenizer(path)
-        self.engine = LLMEngine(config, self.tokenizer)
+        self.engine = LLMEngine.from_engine_args(model, dtype, device, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self.default_sampling_fields = self.engine.default_sampling_fields
         self._counter = 0
 
     # -- inputs ------------------------------------------------------------------------

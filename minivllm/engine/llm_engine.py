@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, generation_defaults
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.engine_args import create_engine_config
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -28,6 +29,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.spec_decode.proposer import make_proposer
 from minivllm.spec_decode.verify import num_accepted
+from minivllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
+        # What a request leaves out takes the checkpoint's generation_config.json settings.
+        self.default_sampling_fields = generation_defaults(config.model, config.generation_config)
         self.speculative = config.speculative  # SpeculativeConfig, or None: no speculation
         # The proposer of speculative decoding (chapter 19) comes first: a draft model's weights
         # are then on the device when the KV pool is sized, and the pool's budget pays for the
@@ -109,6 +113,15 @@ class LLMEngine:
         # first completion). They join the scheduler's queue once it is done; meanwhile the
         # others step on.
         self._compiling: dict[str, tuple] = {}
+
+    @classmethod
+    def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> "LLMEngine":
+        """Build an engine from what a user writes: ``LLM(...)``, the server and its
+        engine-core process all call this (minivllm.engine.engine_args checks the arguments)."""
+        config = create_engine_config(model, dtype, device, **engine_args)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        return cls(config, load_tokenizer(config.model))
 
     # -- requests ----------------------------------------------------------------------
 
