@@ -9,7 +9,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.engine.engine_args import BUNDLED_MODEL  # noqa: F401  (the tests and notebooks read it here)
-from minivllm.engine.llm_engine import LLMEngine, truncated
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.request_limits import truncated
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.structured.tools import template_tool_calls, tool_plan

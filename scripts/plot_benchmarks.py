@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from minivllm.bench.roofline import QWEN3_0_6B  # noqa: E402
 from minivllm.bench.throughput import speed_of_light  # noqa: E402
 from minivllm.config import ModelConfig  # noqa: E402
-from minivllm.engine.llm_engine import StepRecord  # noqa: E402
+from minivllm.engine.trace import StepRecord  # noqa: E402
 
 OURS, FLOOR, BASELINE, EAGER = "#4c72b0", "gray", "#dd8452", "#dd8452"
 

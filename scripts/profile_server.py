@@ -143,7 +143,7 @@ def paced_core(sock, model, llm_args: dict, num_threads: int, log_level: int) ->
     import logging
 
     from minivllm.config import EngineConfig
-    from minivllm.engine.llm_engine import RequestLimits
+    from minivllm.engine.request_limits import RequestLimits
     from minivllm.server.engine_core import Channel, CoreInfo, EngineCore
     from minivllm.tokenizer import load_tokenizer
 

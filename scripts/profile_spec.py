@@ -23,15 +23,16 @@ from bench_spec import prompts
 from minivllm import LLM, SamplingParams
 from minivllm.spec_decode.draft import BUNDLED_DRAFT
 
-PARTS = [("engine", "step"), ("engine", "_propose_drafts"), ("scheduler", "schedule"), ("runner", "prepare"),
-         ("runner", "execute"), ("runner", "sample"), ("engine", "_process")]
+PARTS = [("engine", "step"), ("speculation", "before_schedule"), ("scheduler", "schedule"), ("runner", "prepare"),
+         ("runner", "execute"), ("runner", "sample"), ("engine", "update")]
 
 
 def timed_parts(engine) -> collections.Counter:
     """Wrap the engine's parts so that each call adds its seconds to the returned counter
     (and ``calls[name]`` counts them)."""
     seconds = collections.Counter()
-    owners = {"engine": engine, "scheduler": engine.scheduler, "runner": engine.runner}
+    owners = {"engine": engine, "speculation": engine.speculation, "scheduler": engine.scheduler,
+              "runner": engine.runner}
     for owner, name in PARTS:
         obj = owners[owner]
         if not hasattr(obj, name):

@@ -1,8 +1,8 @@
 """The host's work in one constrained decode step (chapter 18), on any machine (the CPU included).
 
 A step with a grammar on every row does, on the host, besides what any step does: each row's
-matcher takes the token the last step sampled (``LLMEngine._accept_grammar_tokens``), then
-the batch's bitmask is filled (``LLMEngine._bitmask``: every matcher writes its row, the JSON
+matcher takes the token the last step sampled (``StructuredOutputs.after_sample``), then
+the batch's bitmask is filled (``StructuredOutputs.bitmask``: every matcher writes its row, the JSON
 token filter is ANDed in) and readied for its copy to the device (pinned memory). None of it
 touches the model, so this script drives those two engine functions alone, with stand-ins for
 the engine and its requests, for ``--rows`` requests of the bench's JSON schema
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.structured.feature import StructuredOutputs
 from minivllm.structured import matcher
 from minivllm.structured.compiler import GrammarCompiler
 from minivllm.structured.params import StructuredOutputsParams
@@ -97,20 +97,21 @@ class Rows:
             seq = SimpleNamespace(request_id=str(i), is_finished=False)
             request = SimpleNamespace(grammar=grammar, seq=seq)
             request.group = [request]
+            request.group = [request]
             self.requests.append(request)
             self.todo.append(ids[cut:])
 
 
 def engine_stand_in(rows: Rows, vocab_size: int, device: torch.device):
-    """What _bitmask and _accept_grammar_tokens read of the engine."""
-    return SimpleNamespace(requests={r.seq.request_id: r for r in rows.requests},
-                           runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab_size), device=device))
+    """The engine's structured-output feature, alone, over these rows."""
+    return StructuredOutputs(None, vocab_size, set(), device.type == "cuda", None,
+                             {r.seq.request_id: r for r in rows.requests}, None, None)
 
 
 def step(engine, rows: Rows, k: int, check: bool = True) -> tuple[torch.Tensor, float, float]:
     """One step's host work: the mask (each row's next token must be allowed), then the accept."""
     start = time.perf_counter()
-    bitmask = LLMEngine._bitmask(engine, rows.requests)
+    bitmask = engine.bitmask(rows.requests)
     mask_s = time.perf_counter() - start
     tokens = [todo[k] for todo in rows.todo]
     if check:
@@ -118,12 +119,12 @@ def step(engine, rows: Rows, k: int, check: bool = True) -> tuple[torch.Tensor, 
         allowed = (words >> (torch.tensor(tokens, dtype=torch.int32) % 32)) & 1
         if not allowed.all():
             raise AssertionError(f"rows {allowed.eq(0).nonzero().flatten().tolist()} refuse their next valid token")
-    launched = SimpleNamespace(requests=rows.requests, drafts=[[]] * len(tokens))
+    launched = SimpleNamespace(requests=rows.requests, drafts=[[]] * len(tokens), first_rows=list(range(len(tokens))))
     sampled = SimpleNamespace(token_ids=tokens, errors={})
     start = time.perf_counter()
-    ok = LLMEngine._accept_grammar_tokens(engine, launched, sampled)
+    refused = engine.after_sample(launched, sampled, None)
     accept_s = time.perf_counter() - start
-    if check and not all(ok.values()):
+    if check and refused:
         raise AssertionError("a grammar refused its next valid token")
     return bitmask, mask_s, accept_s
 

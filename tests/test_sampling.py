@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.sampler import Sampler, gumbel_max_sample, min_p_mask, top_k_mask, top_p_mask
+from minivllm.layers.sampler import Sampler, SamplerOutput, gumbel_max_sample, min_p_mask, top_k_mask, top_p_mask
 
 NEG_INF = float("-inf")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -402,9 +402,9 @@ def test_stop_string_inside_a_long_delta(llm):
     text = request.text
     # The engine's own post-processing of two more tokens, with long pieces of text.
     request.detokenizer = LongPieces(["a" * 10, "b" * 100 + "STOP" + "c" * 100 + "STOP"])
-    engine._append_token(request, 5, None)
+    engine._emit(request, SamplerOutput([5], [None]), range(1))
     assert request.seq.finish_reason is None
-    engine._append_token(request, 6, None)
+    engine._emit(request, SamplerOutput([6], [None]), range(1))
     assert request.text == text + "a" * 10 + "b" * 100
     assert request.seq.finish_reason == "stop" and request.stop_reason == "STOP"
     del engine.requests[rid]  # as step() does for a finished request

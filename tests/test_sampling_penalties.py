@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import llm_engine
+from minivllm.engine import sampler_inputs
 from minivllm.layers.logits_processors import TokenHistory, process_logits
 from minivllm.layers.penalties import repetition_penalty
 from minivllm.layers.sampler import Sampler
@@ -147,7 +147,7 @@ def test_nothing_is_built_when_no_row_uses_them(monkeypatch, tiny_qwen3_with_tok
     def fail(*args):
         raise AssertionError("token_history built for a batch that uses no penalty")
 
-    monkeypatch.setattr(llm_engine, "token_history", fail)
+    monkeypatch.setattr(sampler_inputs, "token_history", fail)
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, logit_bias={3: 1.0}), use_tqdm=False)
 
 

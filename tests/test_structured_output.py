@@ -16,6 +16,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.ops.token_bitmask import apply_token_bitmask_reference, unpack_bitmask
 from minivllm.sampling_params import InvalidParameter
 from minivllm.structured import StructuredOutputsParams
+from minivllm.structured.feature import StructuredOutputs
 from minivllm.structured.matcher import GrammarState, fill_bitmask
 from minivllm.structured.trie import ChoiceConstraint, vocab_bytes
 
@@ -172,8 +173,8 @@ def test_async_scheduling_gives_the_same_greedy_outputs():
     sync = LLM(async_scheduling=False).generate(prompts, params, use_tqdm=False)
     asynchronous = LLM(async_scheduling=True)
     deferred = []
-    original = asynchronous.engine._sample_deferred
-    asynchronous.engine._sample_deferred = lambda step: (deferred.append(len(step.requests)), original(step))
+    original = asynchronous.engine.overlap.sample_deferred
+    asynchronous.engine.overlap.sample_deferred = lambda step: (deferred.append(len(step.requests)), original(step))
     outs = asynchronous.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == token_ids(sync)
     assert len(deferred) > 10  # the deferred path ran
@@ -452,7 +453,7 @@ def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
     batch path and with one."""
     engine_llm = LLM(async_scheduling=False, num_kv_blocks=512)
     engine = engine_llm.engine
-    monkeypatch.setattr(type(engine), "_bitmask", lambda self, requests: None)  # no mask: the model is free
+    monkeypatch.setattr(StructuredOutputs, "bitmask", lambda self, requests: None)  # no mask: the model is free
     choice = StructuredOutputsParams(choice=["qqqq"])
     for constrained in (1, 9):
         params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice)] * constrained
@@ -467,11 +468,9 @@ def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
 
 
 def engine_stand_in(vocab_size, device="cpu"):
-    """What LLMEngine._bitmask reads of the engine."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab_size),
-                                                  device=torch.device(device)))
+    """The engine's structured-output feature, alone: all its bitmask reads is the vocabulary
+    size and whether its buffers are pinned."""
+    return StructuredOutputs(None, vocab_size, set(), device != "cpu", None, {}, None, None)
 
 
 def request_stand_in(grammar, finished=False):
@@ -493,8 +492,6 @@ def test_a_reused_bitmask_buffer_never_leaks_an_earlier_mask(llm):
     garbage written into every buffer after every step), each row of a step is what its own
     state writes alone, a row without a live grammar all ones, over steps that grow and
     shrink the batch, on the batch matcher's path and row by row."""
-    from minivllm.engine.llm_engine import LLMEngine
-
     compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
     vocab = llm.engine.runner.model_config.vocab_size
     bounded = StructuredOutputsParams(json=BOUNDED)
@@ -521,26 +518,24 @@ def test_a_reused_bitmask_buffer_never_leaks_an_earlier_mask(llm):
                 for t in text[: (i * 3 + step) % len(text)]:
                     assert state.accept(t)
                 requests.append(request_stand_in(state, finished=kind == 4 and i % 2 == 0))
-        bitmask = LLMEngine._bitmask(engine, requests)
+        bitmask = engine.bitmask(requests)
         for row, r in enumerate(requests):
             live = r.grammar if r.grammar is not None and not r.seq.is_finished else None
             if bitmask is None:  # (no live grammar in the step: no mask)
                 assert (alone(live, vocab) == -1).all()
             else:
                 assert torch.equal(bitmask[row], alone(live, vocab)), (step, row)
-        for buffer in engine._bitmask_buffers.buffers:  # stale contents for the next step to overwrite
+        for buffer in engine.bitmask_buffers.buffers:  # stale contents for the next step to overwrite
             if buffer is not None:
                 buffer.copy_(torch.randint(-2**31, 2**31, buffer.shape, generator=g, dtype=torch.int64).to(torch.int32))
     # Three steps in a row never share a buffer (one may still be uploading while the next is filled).
-    takes = [engine._bitmask_buffers.take(4).data_ptr() for _ in range(4)]
+    takes = [engine.bitmask_buffers.take(4).data_ptr() for _ in range(4)]
     assert len(set(takes[:3])) == 3 and takes[3] == takes[0]
 
 
 def test_a_step_whose_grammars_have_all_ended_needs_no_mask(llm):
     """No mask at all (the sampler's fast path) when no row's grammar has anything to say:
     rows without one, rows whose request has finished, rows whose grammar took its stop token."""
-    from minivllm.engine.llm_engine import LLMEngine
-
     tokenizer = llm.get_tokenizer()
     compiled = llm.engine.grammar_compiler().compile(StructuredOutputsParams(choice=["ab"]))
     ended, live = GrammarState(compiled), GrammarState(compiled)
@@ -548,8 +543,8 @@ def test_a_step_whose_grammars_have_all_ended_needs_no_mask(llm):
         assert ended.accept(t)
     engine = engine_stand_in(llm.engine.runner.model_config.vocab_size)
     dead = [request_stand_in(None), request_stand_in(ended), request_stand_in(live, finished=True)]
-    assert LLMEngine._bitmask(engine, dead) is None
-    assert LLMEngine._bitmask(engine, dead + [request_stand_in(live)]) is not None
+    assert engine.bitmask(dead) is None
+    assert engine.bitmask(dead + [request_stand_in(live)]) is not None
 
 
 def test_a_grammar_knows_it_has_ended_without_asking_each_step(llm):
@@ -634,7 +629,7 @@ def test_the_engines_masks_give_what_fresh_masks_give(async_scheduling):
     llm = LLM(async_scheduling=async_scheduling)
     outs = llm.generate(prompts, params, use_tqdm=False)
     reference = LLM(async_scheduling=async_scheduling)
-    reference.engine._bitmask = fresh_bitmask.__get__(reference.engine)
+    reference.engine.structured.bitmask = fresh_bitmask.__get__(reference.engine)
     expected = reference.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == token_ids(expected)
     check_valid(outs[:18], params[:18])

@@ -5,7 +5,7 @@ forward pass of the target model. See ``ngram``, ``draft`` and ``mtp`` for the p
 Decoding is memory-bound: a decode step reads every weight to compute one token per
 sequence, and computing 1 + d tokens per sequence reads them once too. If the proposer
 guesses right a share of the time, each step yields more than one token for about the
-price of one. The engine side (``LLMEngine._propose_drafts`` and ``_verify``): a sequence
+price of one. The engine side (``spec_decode.feature.Speculation``, beside the step): a sequence
 with d drafts is scheduled as a (1 + d)-token chunk over the paged cache, like a prefill
 chunk; the sampler gets a row for each of its 1 + d positions; the accepted tokens go
 through the ordinary append path one by one (stop strings, EOS, max_tokens, logprobs), and

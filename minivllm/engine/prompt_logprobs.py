@@ -1,0 +1,55 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``): the score of every prompt token,
+computed from the logits of the position before it as the prompt's chunks run.
+
+Position p scores prompt token p + 1; the prompt's last position predicts the first output
+token instead, the sampler's row. The runner scores the runs of positions this feature names
+(``batch.prompt_logprobs``) beside the step's sampling, and the scores are recorded here,
+in order, once they are on the host."""
+import logging
+
+from minivllm.step_hooks import StepFeature, is_live
+
+logger = logging.getLogger(__name__)
+
+
+class PromptLogprobs(StepFeature):
+    def __init__(self, requests: dict, state_of, output_processor):
+        self.requests = requests  # the engine's: request id -> its first completion's state
+        self.state_of = state_of  # Sequence -> its RequestState
+        self.output_processor = output_processor
+
+    def prepare(self, step) -> None:
+        """Which positions of the batch score a prompt token this step, as (sequence i,
+        first position, count), and the request each run belongs to (``step.scoring``)."""
+        batch = step.batch
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.sampling_params.prompt_logprobs is None or seq.index:
+                continue  # (the n completions of a prompt share its first one's scores)
+            request = self.state_of(seq)
+            # After a preemption the prompt is computed again; the tokens it scored before
+            # are not scored twice. (A preempted sequence comes back only once no step of it
+            # is in flight, so what it scored is all in its list by then.)
+            first = max(seq.num_computed_tokens, len(request.prompt_logprobs) - 1)
+            end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if end > first:
+                batch.prompt_logprobs.append((i, first, end - first))
+                step.scoring.append(request)
+
+    def after_sample(self, step, sampled, scored) -> list:
+        """Give each request the scores of its prompt tokens from this step; a request whose
+        scores cannot be recorded fails, with the forks of its prompt (which never start)."""
+        if scored is None:
+            return []
+        row, failed = 0, []
+        for (_, first, count), request in zip(step.batch.prompt_logprobs, step.scoring):
+            rows = scored.logprobs[row : row + count]
+            row += count
+            if not is_live(request, self.requests):
+                continue  # aborted, or failed, while the step ran
+            try:
+                self.output_processor.append_prompt_logprobs(request, first, rows)
+            except Exception as e:  # e.g. its detokenizer: this request's problem alone
+                logger.exception("recording the prompt logprobs of request %s failed", request.seq.request_id)
+                error = f"recording its prompt logprobs failed: {type(e).__name__}"
+                failed += [(completion, error) for completion in request.group]
+        return failed
