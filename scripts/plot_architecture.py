@@ -28,8 +28,8 @@ def main() -> None:
     hooks = hook_names()
     fig, ax = plt.subplots(figsize=(10, 5))
     for x, feature in enumerate(FEATURES, start=1):
-        ax.text(x, len(hooks) - 0.4, f"{feature.__name__}\n{feature.__module__}", ha="center", va="bottom",
-                fontsize=7.5)
+        module = feature.__module__.removeprefix("minivllm.").replace(".", ".\n", 1)
+        ax.text(x, len(hooks) - 0.4, f"{feature.__name__}\n{module}", ha="center", va="bottom", fontsize=8)
         overrides = overridden_hooks(feature)
         for y, hook in enumerate(reversed(hooks)):
             color = COLORS.get(CALLER[hook].split()[0], "#777777")
@@ -39,7 +39,7 @@ def main() -> None:
         ax.text(0.45, y, f"{hook}   (in LLMEngine.{CALLER[hook]})", ha="right", va="center", fontsize=9,
                 color=COLORS.get(CALLER[hook].split()[0], "#777777"))
     ax.set_xlim(-3.4, len(FEATURES) + 0.7)
-    ax.set_ylim(-0.7, len(hooks) + 0.6)
+    ax.set_ylim(-0.7, len(hooks) + 0.9)
     ax.axis("off")
     ax.set_title("Each feature beside the step, and the hooks of minivllm.step_hooks.StepFeature it overrides\n"
                  "(blue: schedule, orange: execute, green: update; grey: outside the step)", fontsize=10)
