@@ -128,8 +128,8 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         n = n0 + tl.arange(0, BLOCK_N)
         valid = (n < end) & (n >= first)
         # One block id per key (read once per block instead, the tile's gather loses its
-        # layout: slower in every decode tile). Past the last block the ids are clamped to
-        # it: those rows are masked, never read.
+        # layout). Past the last block the ids are clamped to it: those rows are masked,
+        # never read.
         rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -343,16 +343,10 @@ def sm_count(x: torch.Tensor) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """How many programs share each sequence's keys: enough for about twelve programs per
-    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``.
-
-    The contexts of a batch differ in length, and with one program per (sequence, K/V head)
-    the GPU ends up waiting for the longest. On an H200, contexts of 100-2,048 tokens: at
-    batch 64 one split reads the cache at 80% of the copy bandwidth, two or three at 82-85%;
-    at batch 128, 92 and 94% (two); at batch 256 one split is best (100%: programs enough to
-    balance), and the kernel then writes the output itself. At batch 64 and four splits the
-    partial outputs cost under 1% of the bytes of the keys. At batch 8 this gives 16 splits
-    where 8 were best (41% against 48%).
-    (``python scripts/tune_attention.py --decode-only --decode-sweep --decode-splits``.)"""
+    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``. The
+    contexts of a batch differ in length, and with one program per (sequence, K/V head) the
+    GPU ends up waiting for the longest. (From scripts/tune_attention.py's decode sweep;
+    history in benchmarks/attention_tuning.md.)"""
     want = triton.cdiv(12 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
@@ -360,11 +354,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
     """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile of [BLOCK_N,
     head_dim] is at most 32 KB: 128 keys for bf16 heads of 128), and the launch's warps and
-    pipeline stages. From scripts/tune_attention.py's decode sweep on an H200: 128 keys read
-    the cache at 92-100% of the copy bandwidth at batch 128-256 (contexts of 100-2,048
-    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result.
-    Heads wider than 128 (Gemma 3's, Qwen3.5's 256) keep the 32-key tiles they were tested
-    with: the sweep has not measured them."""
+    pipeline stages. Heads wider than 128 (Gemma 3's, Qwen3.5's 256) keep the 32-key tiles
+    they were tested with. (Tiles from scripts/tune_attention.py's decode sweep; history in
+    benchmarks/attention_tuning.md.)"""
     block_n = min(128, 32768 // (head_dim * dtype_size)) if head_dim <= 128 else 32
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
@@ -664,12 +656,10 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     per key; ``NEW_KV``: the keys computed in this step read from the step's own K and V
     through tensor descriptors, when the caller passes them; ``FROM_SCRATCH``: the caller
     promises that no sequence has keys before its queries, and the kernel is compiled with
-    NEW_KV's loads alone, without the gathered loops, whose presence costs the compiled
-    loops speed even where they never run: 39.6% of the matmul rate against 33.8% on 8 x
-    1,000 causal tokens, 35.1 against 28.0% on 64 x 600, 51.3 against 48.5% on one prompt of
-    4,096, on the H200 at bfb628f). On the GPU from
-    scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
-    interpreter (CPU tests) small tiles, so that short test sequences span several.
+    NEW_KV's loads alone, without the gathered loops, whose presence slows the compiled
+    loops even where they never run). On the GPU, tiles from scripts/tune_attention.py
+    (history in benchmarks/attention_tuning.md); in the interpreter (CPU tests) small
+    tiles, so that short test sequences span several.
 
     A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
     verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
@@ -677,8 +667,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     120 rows of padding, against every key of the context.
 
     Float32 (``itemsize`` 4, the course's parity runs) takes tiles of its own: the
-    half-precision tiles of 128 keys in three stages once needed 393 KB of shared memory at
-    head_dim 128 in float32, past the H200's 227 KB."""
+    half-precision ones would not fit in shared memory."""
     block_g = triton.next_power_of_2(group)
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True, "FROM_SCRATCH": False}
     if not on_gpu:
@@ -689,20 +678,14 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
                 "num_stages": 2, **switches, "NEW_KV": False}
     if head_dim <= 128 and itemsize <= 2:
-        # The sweep's choice on the H200 at 9acaab0 (benchmarks/attention_tuning.json, each
-        # config timed as ten calls in one CUDA graph): 64 query rows per tile (positions x
-        # the group's heads), 64 keys per step, 4 warps, 3 stages, the block-table lookup a
-        # tile ahead, and the step's own keys read through tensor descriptors. Against the
-        # kernel before NEW_KV (128 rows, 128 keys, 8 warps, timed the same way): 34.2% of
-        # the matmul rate on 8 x 1,000 causal tokens (26.5%), 49.6% on 8 x 512 after 3,000
-        # cached (45.8%), 28.6% on 64 x 600 (20.9%), 49.7% on one prompt of 4,096 (39.0%).
-        # PER_BLOCK reached 40.1% on 8 x 1,000 but 18.1% after a cached prefix.
+        # The sweep's choice: 64 query rows per tile (positions x the group's heads), 64 keys
+        # per step, 4 warps, 3 stages, the block-table lookup a tile ahead, and the step's
+        # own keys read through tensor descriptors.
         return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **switches}
     plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False, "FROM_SCRATCH": False}
     if itemsize > 2:
-        # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages. At
-        # head_dim 256 and a group of 8, 16 positions x 8 heads (128 rows) took 213 KB of
-        # shared memory and over two minutes to compile; with NEW_KV, 241 KB (past 227).
+        # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages, the
+        # plain loads: larger tiles, or NEW_KV's, overflow shared memory at head_dim 256.
         return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **plain}
     # Wider heads (Gemma's 256) keep the shape they were measured with: 16 positions or more
     # (64 rows at a group of 2), 32 keys, 4 warps, 2 stages (a 128-row tile of 256 channels
@@ -811,10 +794,7 @@ def short_prefill_pays(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> 
     """Is a short step's batch small enough that the short-prefill kernel beats the prefill
     kernel? The prefill kernel runs one program per (sequence, K/V head) here; while those
     fill at most a quarter of the multiprocessors, splitting each context pays for the merge.
-    On an H200 (Qwen3-0.6B shapes, 8 K/V heads, contexts of 512, three drafts, CUDA graphs),
-    a verifying step against a decode step of the same run: 1.41 against 1.55 decode steps at
-    batch 1, 1.16 against 1.18 at batch 4, but 1.21 against 1.15 at batch 8, and 1.28 against
-    1.05 at batch 16 (``scripts/bench_verify_cost.py``; benchmarks/verify_short_prefill.json)."""
+    (From scripts/bench_verify_cost.py; history in benchmarks/attention_tuning.md.)"""
     return 4 * num_seqs * num_kv_heads <= num_sms
 
 
