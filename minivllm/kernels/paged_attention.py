@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: a split-context kernel (decode, short prefill) and a prefill kernel.
-  decode:  bytes ~ 2 * context * num_kv_heads * head_dim * dtype_size, FLOPs ~ 4 * context * num_heads * head_dim (memory-bound)
-  prefill: FLOPs ~ 2 * q_len * kv_len * num_heads * head_dim (causal), bytes ~ q and out once + K/V per query tile (compute-bound)
+  decode (memory-bound): bytes 2 * context * kv_heads * head_dim * dtype_size, FLOPs 4 * context * heads * head_dim
+  prefill (compute-bound): FLOPs 2 * q_len * kv_len * heads * head_dim (causal); q, out, K/V per query tile (L2)
 
 Both read keys and values through block tables, token j of sequence b living at row
 j % block_size of block block_tables[b, j // block_size], and both use the online softmax
