@@ -84,6 +84,24 @@ def _conv_update_kernel(
     tl.store(out_ptr + n * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def _check_conv_shapes(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> None:
+    """The conv kernels' layout: x [rows, D] with contiguous channels, weight [D, K] and
+    conv_states [slots, D, K - 1], both contiguous along the kernel width."""
+    dim, width = x.shape[1], weight.shape[1]
+    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
+        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
+    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
+        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+
+
+def _check_per_sequence(slots: torch.Tensor, has_initial_state: torch.Tensor, num_seqs: int) -> None:
+    """The short-step launchers take one slot and one has_initial_state entry per sequence."""
+    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
+        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
+                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+
+
 def causal_conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor
 ) -> torch.Tensor:
@@ -92,11 +110,7 @@ def causal_conv1d_update(
     (output zeros, no state touched)."""
     num_rows, dim = x.shape
     width = weight.shape[1]
-    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
-        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
-    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
-        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+    _check_conv_shapes(x, weight, conv_states)
     out = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
     block_d = 256 if x.is_cuda else 32
     grid = (num_rows, triton.cdiv(dim, block_d))
@@ -227,6 +241,17 @@ def _check_rule_shapes(q, k, v, g, beta, states):
     return num_tokens, num_k_heads, num_v_heads, dk, dv
 
 
+def _check_spec_states(spec_states: torch.Tensor | None, states: torch.Tensor) -> None:
+    """The spec pool beside ``states`` ([slots, Hv, dk, dv]): contiguous float32 [slots, k,
+    Hv, dk, dv], entry j the state after a sequence's token j."""
+    if (spec_states is None or spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0]
+            or spec_states.shape[2:] != states.shape[1:] or spec_states.dtype != torch.float32
+            or not spec_states.is_contiguous()):
+        num_slots, num_v_heads, dk, dv = states.shape
+        raise ValueError(f"spec_states must be contiguous float32 [{num_slots}, k, {num_v_heads}, {dk}, {dv}], "
+                         f"got {None if spec_states is None else f'{tuple(spec_states.shape)} {spec_states.dtype}'}")
+
+
 def recurrent_gated_delta_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
@@ -260,10 +285,7 @@ def record_gated_delta_states(
     states: [slots, Hv, dk, dv] float32, not written; spec_states: [slots, k, Hv, dk, dv]
     float32. ``minivllm.ops.gated_delta.gated_delta_states`` is the spec."""
     _, _, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
-    if (spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0] or spec_states.shape[2:] != states.shape[1:]
-            or spec_states.dtype != torch.float32 or not spec_states.is_contiguous()):
-        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
-                         f"got {tuple(spec_states.shape)} {spec_states.dtype}")
+    _check_spec_states(spec_states, states)
     num_seqs = counts.shape[0]
     if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs or cu_seqlens.shape[0] != num_seqs + 1:
         raise ValueError(f"counts, slots and has_initial_state need one entry per sequence and cu_seqlens one more: "
@@ -354,15 +376,9 @@ def causal_conv1d_short(
     over the sequence's inputs: for steps of a few tokens per sequence."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
-    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
-        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
-    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
-        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+    _check_conv_shapes(x, weight, conv_states)
     num_seqs = cu_seqlens.shape[0] - 1
-    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
-        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
-                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    _check_per_sequence(slots, has_initial_state, num_seqs)
     has_spec = counts is not None
     if has_spec and (spec_conv_states is None or spec_conv_states.shape[0] != conv_states.shape[0]
                      or spec_conv_states.shape[2:] != conv_states.shape[1:] or spec_conv_states.stride(3) != 1):
@@ -443,15 +459,10 @@ def recurrent_gated_delta_short(
     dtype."""
     _, num_k_heads, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
     num_seqs = cu_seqlens.shape[0] - 1
-    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
-        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
-                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    _check_per_sequence(slots, has_initial_state, num_seqs)
     has_spec = counts is not None
-    if has_spec and (spec_states is None or spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0]
-                     or spec_states.shape[2:] != states.shape[1:] or spec_states.dtype != torch.float32
-                     or not spec_states.is_contiguous()):
-        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
-                         f"got {None if spec_states is None else (tuple(spec_states.shape), spec_states.dtype)}")
+    if has_spec:
+        _check_spec_states(spec_states, states)
     out = torch.empty_like(v)
     spec = spec_states if has_spec else states  # (never read without HAS_SPEC)
     bk = triton.next_power_of_2(dk)

@@ -361,6 +361,25 @@ def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Every launcher's shape rule: whole KV groups, and a power-of-two head_dim (the kernels'
+    tl.arange over it)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+
+
+def _check_step_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, rows: str, shape: tuple) -> None:
+    """The step's own keys and values as the split-context kernel reads them: ``shape``
+    ([rows, num_kv_heads, head_dim]) with contiguous head_dim, and one slot per row."""
+    if (k.shape != shape or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
+            or slot_mapping.shape != shape[:1]):
+        raise ValueError(f"k and v must be [{rows}, num_kv_heads, head_dim] = {shape} "
+                         f"with contiguous head_dim, slot_mapping [{rows}]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -391,8 +410,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     if num_seqs and max_context_len < 1:
         # Checked on the host: the number of splits is sized from it.
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
@@ -405,11 +423,8 @@ def paged_decode_attention(
     new_kv = k is not None
     if new_kv != (v is not None) or new_kv != (slot_mapping is not None):
         raise ValueError("give k, v and slot_mapping together, or none of them")
-    if new_kv and (k.shape != (num_seqs, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1
-                   or v.stride(-1) != 1 or slot_mapping.shape != (num_seqs,)):
-        raise ValueError(f"k and v must be [num_seqs, num_kv_heads, head_dim] = {(num_seqs, num_kv_heads, head_dim)} "
-                         f"with contiguous head_dim, slot_mapping [num_seqs]; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    if new_kv:
+        _check_step_kv(k, v, slot_mapping, "num_seqs", (num_seqs, num_kv_heads, head_dim))
     config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     k_new, v_new, slots = (k, v, slot_mapping) if new_kv else (q, q, context_lens)  # unread stand-ins
@@ -735,8 +750,7 @@ def paged_prefill_attention(
     from there (contiguous, in bulk) instead of through the block table."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     if num_tokens and max_seqlen_q < 1:
         # The grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence: with 0, nothing would run.
         raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
@@ -831,8 +845,7 @@ def paged_short_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     rows = short_prefill_rows(max_seqlen_q, group)
     if num_tokens and not takes_short_prefill(max_seqlen_q, group, head_dim):
         raise ValueError(f"max_seqlen_q={max_seqlen_q} at a group of {group} and head_dim {head_dim} needs a tile of "
@@ -842,11 +855,7 @@ def paged_short_prefill_attention(
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    if (k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
-            or slot_mapping.shape != (num_tokens,)):
-        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim] = {(num_tokens, num_kv_heads, head_dim)} "
-                         f"with contiguous head_dim, slot_mapping [num_tokens]; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    _check_step_kv(k, v, slot_mapping, "num_tokens", (num_tokens, num_kv_heads, head_dim))
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_splits is None:
         sms = sm_count(q)
