@@ -9,16 +9,18 @@ a rescaled accumulator, so the [queries x keys] matrix never exists in memory. E
 is folded in by one helper, ``_online_softmax_update``, in base 2 (exp2 of the scores times
 scale * log2(e)).
 
-The split-context kernel (``_decode_kernel``) serves a decode step (one query per sequence)
-and a short prefill (a few queries per sequence: a verifying step of speculative decoding),
-the query tile's height a compile-time constant (BLOCK_Q). One program handles one
+The split-context kernel (``_decode_kernel``) serves a decode step (DECODE: one query per
+sequence, a query tile of height BLOCK_Q = 1) and a short prefill (up to BLOCK_Q queries per
+sequence, causal among themselves: a verifying step of speculative decoding), both switches
+compile-time constants, so each variant compiles to its own code. One program handles one
 (sequence, K/V head, split of the context); its rows are the sequence's queries times all
 the query heads of the GQA group, so each loaded K/V tile serves them all. Each sequence
 cuts its own cached keys into the grid's splits (so a short context is spread too); the
 step's own keys are not in the cache yet: the kernel takes them from the step's K and V and
-stores them at their slots (the KV store, fused). With one split the kernel writes the
-output; otherwise each split writes a partial output and its log-sum-exp, and
-``_merge_kernel`` combines them.
+stores them at their slots (the KV store, fused): in a decode step (NEW_KV) the split that
+holds the newest key folds it in, in a short prefill split 0 folds them all in. With one
+split the kernel writes the output; otherwise each split writes a partial output and its
+log-sum-exp, and ``_merge_kernel`` combines them.
 
 The prefill kernel: one program handles BLOCK_M query positions of one sequence for all the
 query heads of one KV group (a [BLOCK_M * group, head_dim] tile) and walks the keys up to
@@ -93,9 +95,9 @@ def _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: tl.
     real; DECODE: one, token q_start) x the BLOCK_G heads of one KV group, position major:
     (q [rows, HEAD_DIM], token (each row's token in q; DECODE: the scalar q_start), heads,
     qi (each row's position among the sequence's queries), row_valid)."""
-    d = tl.arange(0, HEAD_DIM)
     if DECODE:
         g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
         heads = kv_head * GROUP + g
         token = q_start
         qi = tl.zeros([BLOCK_G], tl.int32)  # the sequence's one query
@@ -107,6 +109,7 @@ def _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: tl.
         qi = r // BLOCK_G
         g = r % BLOCK_G
         heads = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
         token = q_start + qi
         row_valid = (qi < q_len) & (g < GROUP)
         q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -116,7 +119,7 @@ def _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: tl.
 
 @triton.jit
 def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, end, last_block,
-                        head_off, stride_cb, stride_cs, window, qk_scale,
+                        kv_head, stride_cb, stride_cs, stride_ch, window, scale,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, DECODE: tl.constexpr):
     """Fold the cached keys [start, end) of one sequence and K/V head into the running
@@ -130,7 +133,8 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         # One block id per key (read once per block instead, the tile's gather loses its
         # layout). Past the last block the ids are clamped to it: those rows are masked,
         # never read.
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, False)
+        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
+                             False)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DECODE:
@@ -142,7 +146,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
     return m, l, acc
 
 
@@ -261,16 +265,13 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
-        # Decode: sequence b's one query is row b of q, at position context_len - 1. With
-        # NEW_KV its own key and value (that position) are not in the cache yet: the program
-        # whose split holds it takes it from registers, so no program reads that row.
+        # Decode: sequence b's one query is row b of q, at position num_keys - 1, the newest
+        # key. With NEW_KV that key and its value are not in the cache yet: the program whose
+        # split holds it takes them from registers, so no program reads that row.
         q_start = b
         q_len = 1
-        context_len = tl.load(context_lens_ptr + b)
-        q_pos0 = context_len - 1
-        first, start, end = _split_key_range(context_len, context_len, window, split, BLOCK_N)
-        cache_end = tl.minimum(end, q_pos0) if NEW_KV else end
-        last_block = tl.maximum(context_len - 1, 0) // BLOCK_SIZE
+        num_keys = tl.load(context_lens_ptr + b)
+        first, start, end = _split_key_range(num_keys, num_keys, window, split, BLOCK_N)
     else:
         # A short prefill: sequence b's q_len queries (cu_seqlens) follow its cached keys,
         # which every query sees (a sliding window aside): the splits share those, from the
@@ -280,21 +281,23 @@ def _decode_kernel(
         q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
         if q_len == 0:
             return  # a padding sequence (a CUDA graph's): no queries, no keys
-        cached = tl.load(context_lens_ptr + b) - q_len  # keys in the cache before this step
-        q_pos0 = cached  # the first query's position
-        first, start, cache_end = _split_key_range(cached + 1, cached, window, split, BLOCK_N)
-        last_block = tl.maximum(cached - 1, 0) // BLOCK_SIZE
+        num_keys = tl.load(context_lens_ptr + b) - q_len  # those cached before this step
+        first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
     q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
                                                  GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
-    qk_scale = scale * LOG2E
-    head_off = kv_head * stride_ch
     m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
-    m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr,
-                                    block_tables_ptr + b * stride_bt, first, start, cache_end, last_block,
-                                    head_off, stride_cb, stride_cs, window, qk_scale,
+    bt_ptr = block_tables_ptr + b * stride_bt
+    last_block = tl.maximum(num_keys - 1, 0) // BLOCK_SIZE
+    # The first query's position: a decode step's newest key, a short prefill's first own key.
+    q_pos0 = num_keys - 1 if DECODE else num_keys
+    cache_end = tl.minimum(end, q_pos0) if DECODE and NEW_KV else end
+    m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
+                                    cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window, scale,
                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
+    head_off = kv_head * stride_ch
+    qk_scale = scale * LOG2E
     if DECODE:
         if NEW_KV:
             m, l, acc = _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
@@ -309,6 +312,7 @@ def _decode_kernel(
                                           HEAD_DIM, BLOCK_SIZE, BLOCK_QK, PRECISION)
     _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row_valid, stride_pt, stride_ph,
                  stride_ps, stride_lt, stride_lh, HEAD_DIM, DIRECT)
+
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
