@@ -3,7 +3,7 @@
   prefill (compute-bound): 4 C dk dv + 4 C^2 (dk + dv) + C^3 FLOPs per chunk of C tokens and head; q, k, v, W, U once
 
 The torch reference (``minivllm.ops.gated_delta``) is the spec. Every recurrent kernel runs
-one per-token update, ``_gated_delta_token``.
+one per-token update, ``_gated_delta_update``.
 
 Per value head, the state S is [dk, dv] float32 and lives in a slot of the layer's pool.
 
@@ -123,25 +123,18 @@ def causal_conv1d_update(
 
 
 @triton.jit
-def _unit_row(x_ptr, rows, mask):
-    """One token's query or key row (x_ptr: its first element; rows [BK]) in float32,
-    L2-normalised with eps inside the root, as the reference's ``l2_normalize``."""
-    x = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+def _l2_normalize(x):
+    """A query or key row in float32, L2-normalised with eps inside the root, as the
+    reference's ``l2_normalize``."""
     return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
 
 
 @triton.jit
-def _gated_delta_token(state, k_ptr, v_ptr, g_ptr, beta_ptr, t, h, hk, rows, cols, km, vm,
-                       stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt):
-    """Token t of the gated delta rule on a [BK, BV] block (rows x cols) of value head h's
-    state S (float32), its key from key head hk (normalised here):
-        S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T
+def _gated_delta_update(state, k, v, g, beta):
+    """One token of the gated delta rule on a [BK, BV] block of a state S (float32):
+        S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T
     The one update every recurrent kernel runs (``ops.gated_delta.gated_delta_step`` is its
     spec). Returns the new block."""
-    k = _unit_row(k_ptr + t * stride_kt + hk * stride_kh, rows, km)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + t * stride_gt + h)
-    beta = tl.load(beta_ptr + t * stride_bt + h)
     state = state * tl.exp(g)
     predicted = tl.sum(state * k[:, None], axis=0)  # S^T k
     delta = beta * (v - predicted)
@@ -173,12 +166,17 @@ def _recurrent_step_kernel(
     km, vm = rows < DK, (cols < DV) & ((cols * 0 + slot) >= 0)  # slot -1: a padding row
     slot = tl.maximum(slot, 0)
     hk = h // GROUP
-    q = _unit_row(q_ptr + n * stride_qt + hk * stride_qh, rows, km) * scale
+    q = tl.load(q_ptr + n * stride_qt + hk * stride_qh + rows, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + n * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
+    q = _l2_normalize(q) * scale
+    k = _l2_normalize(k)
+    v = tl.load(v_ptr + n * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + n * stride_gt + h)
+    beta = tl.load(beta_ptr + n * stride_bt + h)
     s_ptrs = state_ptr + slot.to(tl.int64) * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
     sm = km[:, None] & vm[None, :]
     state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
-    state = _gated_delta_token(state, k_ptr, v_ptr, g_ptr, beta_ptr, n, h, hk, rows, cols, km, vm,
-                               stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt)
+    state = _gated_delta_update(state, k, v, g, beta)
     out = tl.sum(state * q[:, None], axis=0)
     tl.store(s_ptrs, state, mask=sm)
     tl.store(out_ptr + n * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=cols < DV)
@@ -217,8 +215,13 @@ def _record_states_kernel(
         state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
         p_ptrs = spec_ptr + slot * stride_ps + h * stride_ph + rows[:, None] * stride_pk + cols[None, :]
         for j in range(0, count):
-            state = _gated_delta_token(state, k_ptr, v_ptr, g_ptr, beta_ptr, bos + j, h, hk, rows, cols, km, vm,
-                                       stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt)
+            t = bos + j
+            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
+            k = _l2_normalize(k)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + t * stride_gt + h)
+            beta = tl.load(beta_ptr + t * stride_bt + h)
+            state = _gated_delta_update(state, k, v, g, beta)
             tl.store(p_ptrs + j * stride_pj, state, mask=sm)
 
 
@@ -434,9 +437,14 @@ def _recurrent_short_kernel(
     p_ptrs = spec_ptr + slot * stride_ps + h * stride_ph + rows[:, None] * stride_pk + cols[None, :]
     state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
     for t in range(bos, eos):  # the decode step's update, one token at a time
-        q = _unit_row(q_ptr + t * stride_qt + hk * stride_qh, rows, km) * scale
-        state = _gated_delta_token(state, k_ptr, v_ptr, g_ptr, beta_ptr, t, h, hk, rows, cols, km, vm,
-                                   stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt)
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rows, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
+        q = _l2_normalize(q) * scale
+        k = _l2_normalize(k)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h)
+        beta = tl.load(beta_ptr + t * stride_bt + h)
+        state = _gated_delta_update(state, k, v, g, beta)
         out = tl.where(real, tl.sum(state * q[:, None], axis=0), 0.0)
         tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=vm)
         if HAS_SPEC:
