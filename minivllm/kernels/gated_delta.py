@@ -1,13 +1,15 @@
-"""The gated delta rule on the GPU: a chunked prefill and a recurrent decode step, plus the
-causal conv's decode update. The torch reference (``minivllm.ops.gated_delta``) is the spec.
+"""The gated delta rule on the GPU (chunked prefill, recurrent decode and short steps) and its causal conv.
+  decode (memory-bound): 2 * Hv * dk * dv * 4 bytes a sequence (its float32 state in and out), 8 * Hv * dk * dv FLOPs
+  prefill (compute-bound): 4 C dk dv + 4 C^2 (dk + dv) + C^3 FLOPs per chunk of C tokens and head; q, k, v, W, U once
+
+The torch reference (``minivllm.ops.gated_delta``) is the spec. Every recurrent kernel runs
+one per-token update, ``_gated_delta_update``.
 
 Per value head, the state S is [dk, dv] float32 and lives in a slot of the layer's pool.
 
-Decode (one token per sequence): read S, update it, write it back, read one output.
-  bytes ~ 2 * num_seqs * Hv * dk * dv * 4 (the state, in and out) + q, k, v, out
-  FLOPs ~ 8 * num_seqs * Hv * dk * dv
-  Memory-bound: the state is read and written once per token. One program per (sequence,
-  value head, block of dv columns).
+Decode (one token per sequence): read S, update it, write it back, read one output; the
+state is read and written once per token. One program per (sequence, value head, block of
+dv columns).
 
 Prefill, chunks of C = 64 tokens (``kernels.common.CHUNK_SIZE``), two kernels:
   1. ``_chunk_prepare_kernel``, all chunks in parallel: build the chunk's [C, C] lower-
@@ -82,6 +84,24 @@ def _conv_update_kernel(
     tl.store(out_ptr + n * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def _check_conv_shapes(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> None:
+    """The conv kernels' layout: x [rows, D] with contiguous channels, weight [D, K] and
+    conv_states [slots, D, K - 1], both contiguous along the kernel width."""
+    dim, width = x.shape[1], weight.shape[1]
+    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
+        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
+    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
+        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+
+
+def _check_per_sequence(slots: torch.Tensor, has_initial_state: torch.Tensor, num_seqs: int) -> None:
+    """The short-step launchers take one slot and one has_initial_state entry per sequence."""
+    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
+        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
+                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+
+
 def causal_conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor
 ) -> torch.Tensor:
@@ -90,11 +110,7 @@ def causal_conv1d_update(
     (output zeros, no state touched)."""
     num_rows, dim = x.shape
     width = weight.shape[1]
-    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
-        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
-    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
-        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+    _check_conv_shapes(x, weight, conv_states)
     out = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device)
     block_d = 256 if x.is_cuda else 32
     grid = (num_rows, triton.cdiv(dim, block_d))
@@ -104,6 +120,25 @@ def causal_conv1d_update(
         K=width, BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d,
     )
     return out
+
+
+@triton.jit
+def _l2_normalize(x):
+    """A query or key row in float32, L2-normalised with eps inside the root, as the
+    reference's ``l2_normalize``."""
+    return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
+
+
+@triton.jit
+def _gated_delta_update(state, k, v, g, beta):
+    """One token of the gated delta rule on a [BK, BV] block of a state S (float32):
+        S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T
+    The one update every recurrent kernel runs (``ops.gated_delta.gated_delta_step`` is its
+    spec). Returns the new block."""
+    state = state * tl.exp(g)
+    predicted = tl.sum(state * k[:, None], axis=0)  # S^T k
+    delta = beta * (v - predicted)
+    return state + k[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -133,18 +168,15 @@ def _recurrent_step_kernel(
     hk = h // GROUP
     q = tl.load(q_ptr + n * stride_qt + hk * stride_qh + rows, mask=km, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + n * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    q = _l2_normalize(q) * scale
+    k = _l2_normalize(k)
     v = tl.load(v_ptr + n * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + n * stride_gt + h)
     beta = tl.load(beta_ptr + n * stride_bt + h)
     s_ptrs = state_ptr + slot.to(tl.int64) * stride_ss + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
     sm = km[:, None] & vm[None, :]
     state = tl.where(keep, tl.load(s_ptrs, mask=sm, other=0.0), 0.0)
-    state = state * tl.exp(g)
-    predicted = tl.sum(state * k[:, None], axis=0)
-    delta = beta * (v - predicted)
-    state = state + k[:, None] * delta[None, :]
+    state = _gated_delta_update(state, k, v, g, beta)
     out = tl.sum(state * q[:, None], axis=0)
     tl.store(s_ptrs, state, mask=sm)
     tl.store(out_ptr + n * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=cols < DV)
@@ -185,14 +217,11 @@ def _record_states_kernel(
         for j in range(0, count):
             t = bos + j
             k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
-            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+            k = _l2_normalize(k)
             v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + t * stride_gt + h)
             beta = tl.load(beta_ptr + t * stride_bt + h)
-            state = state * tl.exp(g)
-            predicted = tl.sum(state * k[:, None], axis=0)
-            delta = beta * (v - predicted)
-            state = state + k[:, None] * delta[None, :]
+            state = _gated_delta_update(state, k, v, g, beta)
             tl.store(p_ptrs + j * stride_pj, state, mask=sm)
 
 
@@ -213,6 +242,17 @@ def _check_rule_shapes(q, k, v, g, beta, states):
         if x.stride(2) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")
     return num_tokens, num_k_heads, num_v_heads, dk, dv
+
+
+def _check_spec_states(spec_states: torch.Tensor | None, states: torch.Tensor) -> None:
+    """The spec pool beside ``states`` ([slots, Hv, dk, dv]): contiguous float32 [slots, k,
+    Hv, dk, dv], entry j the state after a sequence's token j."""
+    if (spec_states is None or spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0]
+            or spec_states.shape[2:] != states.shape[1:] or spec_states.dtype != torch.float32
+            or not spec_states.is_contiguous()):
+        num_slots, num_v_heads, dk, dv = states.shape
+        raise ValueError(f"spec_states must be contiguous float32 [{num_slots}, k, {num_v_heads}, {dk}, {dv}], "
+                         f"got {None if spec_states is None else f'{tuple(spec_states.shape)} {spec_states.dtype}'}")
 
 
 def recurrent_gated_delta_step(
@@ -248,10 +288,7 @@ def record_gated_delta_states(
     states: [slots, Hv, dk, dv] float32, not written; spec_states: [slots, k, Hv, dk, dv]
     float32. ``minivllm.ops.gated_delta.gated_delta_states`` is the spec."""
     _, _, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
-    if (spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0] or spec_states.shape[2:] != states.shape[1:]
-            or spec_states.dtype != torch.float32 or not spec_states.is_contiguous()):
-        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
-                         f"got {tuple(spec_states.shape)} {spec_states.dtype}")
+    _check_spec_states(spec_states, states)
     num_seqs = counts.shape[0]
     if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs or cu_seqlens.shape[0] != num_seqs + 1:
         raise ValueError(f"counts, slots and has_initial_state need one entry per sequence and cu_seqlens one more: "
@@ -342,15 +379,9 @@ def causal_conv1d_short(
     over the sequence's inputs: for steps of a few tokens per sequence."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
-    if weight.shape[0] != dim or conv_states.shape[1:] != (dim, width - 1) or x.stride(1) != 1:
-        raise ValueError(f"conv shapes disagree: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"states {tuple(conv_states.shape)} (x's channels must be contiguous)")
-    if conv_states.stride(2) != 1 or weight.stride(1) != 1:
-        raise ValueError("conv_states and weight must be contiguous along the kernel width")
+    _check_conv_shapes(x, weight, conv_states)
     num_seqs = cu_seqlens.shape[0] - 1
-    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
-        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
-                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    _check_per_sequence(slots, has_initial_state, num_seqs)
     has_spec = counts is not None
     if has_spec and (spec_conv_states is None or spec_conv_states.shape[0] != conv_states.shape[0]
                      or spec_conv_states.shape[2:] != conv_states.shape[1:] or spec_conv_states.stride(3) != 1):
@@ -408,15 +439,12 @@ def _recurrent_short_kernel(
     for t in range(bos, eos):  # the decode step's update, one token at a time
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rows, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rows, mask=km, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        q = _l2_normalize(q) * scale
+        k = _l2_normalize(k)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=vm, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * stride_gt + h)
         beta = tl.load(beta_ptr + t * stride_bt + h)
-        state = state * tl.exp(g)
-        predicted = tl.sum(state * k[:, None], axis=0)
-        delta = beta * (v - predicted)
-        state = state + k[:, None] * delta[None, :]
+        state = _gated_delta_update(state, k, v, g, beta)
         out = tl.where(real, tl.sum(state * q[:, None], axis=0), 0.0)
         tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=vm)
         if HAS_SPEC:
@@ -439,15 +467,10 @@ def recurrent_gated_delta_short(
     dtype."""
     _, num_k_heads, num_v_heads, dk, dv = _check_rule_shapes(q, k, v, g, beta, states)
     num_seqs = cu_seqlens.shape[0] - 1
-    if slots.shape[0] != num_seqs or has_initial_state.shape[0] != num_seqs:
-        raise ValueError(f"slots and has_initial_state need one entry per sequence ({num_seqs}), got "
-                         f"{slots.shape[0]} and {has_initial_state.shape[0]}")
+    _check_per_sequence(slots, has_initial_state, num_seqs)
     has_spec = counts is not None
-    if has_spec and (spec_states is None or spec_states.dim() != 5 or spec_states.shape[0] != states.shape[0]
-                     or spec_states.shape[2:] != states.shape[1:] or spec_states.dtype != torch.float32
-                     or not spec_states.is_contiguous()):
-        raise ValueError(f"spec_states must be contiguous float32 [{states.shape[0]}, k, {num_v_heads}, {dk}, {dv}], "
-                         f"got {None if spec_states is None else (tuple(spec_states.shape), spec_states.dtype)}")
+    if has_spec:
+        _check_spec_states(spec_states, states)
     out = torch.empty_like(v)
     spec = spec_states if has_spec else states  # (never read without HAS_SPEC)
     bk = triton.next_power_of_2(dk)
