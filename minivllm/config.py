@@ -256,7 +256,8 @@ class EngineConfig:
 
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             if self.speculative.method == "draft_model":  # before any weights are loaded
-                self.speculative.check_target(ModelConfig.from_pretrained(self.model))
+                draft, target = (ModelConfig.from_pretrained(path) for path in (self.speculative.model, self.model))
+                self.speculative.check_vocab(draft.vocab_size, target.vocab_size)
             # The proposer reads the tokens the last step accepted, so each step is processed
             # before the next is scheduled: the synchronous loop, for now.
             if self.async_scheduling:

@@ -63,17 +63,13 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={config.prompt_lookup_max}")
         return config
 
-    def check_target(self, target) -> None:
-        """A draft model must speak the target's tokens (``target``: its ModelConfig): the
-        verifier compares token ids, and the draft reads the ids the target emitted."""
-        if self.method != "draft_model":
-            return
-        from minivllm.config import ModelConfig
-
-        draft_vocab, target_vocab_size = ModelConfig.from_pretrained(self.model).vocab_size, target.vocab_size
-        if draft_vocab != target_vocab_size:
-            raise ValueError(f"speculative_config model={self.model!r} has a vocabulary of {draft_vocab} tokens, "
-                             f"the target model {target_vocab_size}: a draft model must share the target's "
+    def check_vocab(self, draft_vocab_size: int, target_vocab_size: int) -> None:
+        """A draft model must speak the target's tokens (the sizes are read from the two
+        checkpoints' config.json by the caller): the verifier compares token ids, and the
+        draft reads the ids the target emitted."""
+        if draft_vocab_size != target_vocab_size:
+            raise ValueError(f"speculative_config model={self.model!r} has a vocabulary of {draft_vocab_size} "
+                             f"tokens, the target model {target_vocab_size}: a draft model must share the target's "
                              "tokenizer (the same vocabulary size)")
 
 
