@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "chat":
         run_chat(args)
     elif args.command == "serve":
-        from minivllm.llm import LLM
         from minivllm.server.api import serve as run_server
         from minivllm.server.async_engine import AsyncLLMEngine
 
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 engine = EngineCoreClient(args.model, **engine_args(args))
             else:
-                engine = AsyncLLMEngine(LLM(args.model, **engine_args(args)).engine)
+                engine = AsyncLLMEngine.from_model(args.model, **engine_args(args))
         except ValueError as e:  # a flag EngineConfig refuses (--max-num-seqs 0), a model past its limits
             parser.error(str(e))
         name = args.served_model_name or (args.model or "bundled")

@@ -43,7 +43,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from minivllm import __version__
-from minivllm.config import generation_defaults
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import InvalidParameter
 from minivllm.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
@@ -128,9 +127,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     vocab_size = engine.vocab_size
-    engine_config = engine.config
     # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
-    defaults = generation_defaults(engine_config.model, engine_config.generation_config)
+    defaults = engine.default_sampling_fields
     metrics = ServerMetrics(engine, model_name)
     # A prompt of more characters than this cannot fit in max_model_len tokens whatever it
     # says (twice the bound, for tokenizers whose normalizer merges characters): refused by
