@@ -8,7 +8,7 @@ import sys
 import types
 
 MODEL_HELP = "a local folder or hub id (default: the bundled model)"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as server.serving_engine's (not imported: it needs fastapi)
 
 
 # The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
