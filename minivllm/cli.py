@@ -8,7 +8,7 @@ import sys
 import types
 
 MODEL_HELP = "a local folder or hub id (default: the bundled model)"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as minivllm.server.api's (not imported: it needs fastapi)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as server.serving_engine's (not imported: it needs fastapi)
 
 
 # The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "chat":
         run_chat(args)
     elif args.command == "serve":
-        from minivllm.llm import LLM
         from minivllm.server.api import serve as run_server
         from minivllm.server.async_engine import AsyncLLMEngine
 
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 engine = EngineCoreClient(args.model, **engine_args(args))
             else:
-                engine = AsyncLLMEngine(LLM(args.model, **engine_args(args)).engine)
+                engine = AsyncLLMEngine.from_model(args.model, **engine_args(args))
         except ValueError as e:  # a flag EngineConfig refuses (--max-num-seqs 0), a model past its limits
             parser.error(str(e))
         name = args.served_model_name or (args.model or "bundled")

@@ -10,6 +10,7 @@ share.
 import math
 from dataclasses import dataclass
 
+from minivllm.errors import InvalidParameter
 from minivllm.structured.params import StructuredOutputsParams
 
 # A temperature below this is greedy. Dividing logits by a tiny temperature overflows to inf
@@ -143,14 +144,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
-
-
-class InvalidParameter(ValueError):
-    """A bad sampling value. ``param`` names the field, so a server can point at it."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _int(value) -> bool:

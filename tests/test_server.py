@@ -390,7 +390,7 @@ def test_a_lagging_reader_gets_each_requests_newest_output_only():
     output when the reader keeps up."""
     from contextlib import aclosing
 
-    from minivllm.server.api import merged
+    from minivllm.server.streaming import merged
 
     async def outputs(name: str, n: int, paced: asyncio.Event | None = None):
         for k in range(n):

@@ -25,7 +25,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.server import AsyncLLMEngine
-from minivllm.server import api
+from minivllm.server import serving_engine as api  # (where the requests' SamplingParams are made)
 from minivllm.server.api import ServerConfig, ServerThread, build_app
 from minivllm.server.async_engine import EngineDeadError
 from minivllm.server.engine_client import EngineCoreClient

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from minivllm import LLM, SamplingParams
 from minivllm.engine.stop_strings import StopStrings
 from minivllm.server import AsyncLLMEngine
-from minivllm.server import api
+from minivllm.server import serving_engine as api  # (where the requests' SamplingParams are made)
 from minivllm.server.api import ServerConfig, ServerThread, build_app
 from minivllm.server.async_engine import RequestFailedError
 from minivllm.testing import ServeProcess, torch_threads

@@ -334,7 +334,7 @@ def main(out_dir: str = "benchmarks", model: str | None = None, rates: list[floa
         return run_against(base_url, api_key, out_dir, rates, num_requests, seed, vocab, client_processes)
     from minivllm.bench.throughput import model_checkpoint
     from minivllm.config import ModelConfig
-    from minivllm.llm import BUNDLED_MODEL, resolve_model
+    from minivllm.engine.engine_args import BUNDLED_MODEL, resolve_model
 
     cuda = torch.cuda.is_available()
     if cuda:

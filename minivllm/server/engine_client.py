@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from minivllm.config import generation_defaults
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -46,9 +47,10 @@ JOIN_TIMEOUT_S = 30.0
 
 class EngineCoreClient(RequestQueues):
     def __init__(self, model=None, startup_s: float | None = None, core_main=run_engine_core, **engine_args):
-        """Start the engine core as ``LLM(model, **engine_args)`` would build its engine,
-        and wait until it is ready (at most ``startup_s`` seconds; None: as long as it is
-        alive). A bad argument raises ValueError, as LLM() does. ``core_main``: what the
+        """Start the engine core, which builds its engine with
+        ``LLMEngine.from_engine_args(model, **engine_args)`` as ``LLM`` does, and wait until
+        it is ready (at most ``startup_s`` seconds; None: as long as it is alive). A bad
+        argument raises ValueError, as LLM() does. ``core_main``: what the
         core's process runs (``run_engine_core``'s arguments; a stand-in core that speaks the
         same protocol measures the server alone, ``scripts/profile_server.py``)."""
         spawn = mp.get_context("spawn")
@@ -75,6 +77,9 @@ class EngineCoreClient(RequestQueues):
         self.config, self.limits = info.config, info.limits
         self._state: EngineState = info.state
         self.tokenizer = load_tokenizer(self.config.model)
+        # What the checkpoint's generation_config.json suggests, for the fields a request
+        # leaves out (read here from the files, as the core's engine read them).
+        self.default_sampling_fields = generation_defaults(self.config.model, self.config.generation_config)
         # For the checks only (the tokens that may not end a request early, bad words).
         self._checks = OutputProcessor(self.tokenizer, info.eos_token_ids, self.limits.max_model_len,
                                        self.limits.vocab_size)

@@ -254,20 +254,19 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)  # through the finally below, which stops the engine (and its workers)
 
 
-def run_engine_core(sock, model, llm_args: dict, num_threads: int, log_level: int) -> None:
-    """The core process's main: build the engine as ``LLM(model, **llm_args)`` does, say
-    it is ready, then run the loop. Exits 1 if a step raised."""
+def run_engine_core(sock, model, engine_args: dict, num_threads: int, log_level: int) -> None:
+    """The core process's main: build the engine (``LLMEngine.from_engine_args``, as
+    ``LLM(model, **engine_args)`` does), say it is ready, then run the loop. Exits 1 if a
+    step raised."""
     # Ctrl-C in a terminal reaches every process of the group: the server decides when the
     # core stops (it sends "shutdown"), so a step is never cut in half.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=log_level, format="%(levelname)s:     %(name)s: %(message)s")
     torch.set_num_threads(num_threads)  # as many CPU threads as the server's process would use
-    from minivllm.llm import LLM
-
     channel = Channel(sock)
     try:
-        engine = LLM(model, **llm_args).engine
+        engine = LLMEngine.from_engine_args(model, **engine_args)
     except Exception as e:
         channel.send(("failed", isinstance(e, ValueError), str(e), traceback.format_exc()))
         return

@@ -35,7 +35,7 @@ it cannot be cut back as a block table is: the verifying step keeps the state af
 draft it computes, and the engine puts the one after the last accepted token back in the
 sequence's slot (``minivllm.engine.state_pool``).
 """
-from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import propose_ngram
 from minivllm.spec_decode.proposer import NgramProposer, make_proposer
 from minivllm.spec_decode.verify import num_accepted

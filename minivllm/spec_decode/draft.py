@@ -49,11 +49,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.config import SpeculativeConfig
 from minivllm.context import reset_context
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.loader import load_model
-from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_drafts
 from minivllm.spec_decode.proposal import ProposalGraphs, ProposalLayout, fill_host, run_passes
 

@@ -44,12 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, SpeculativeConfig
 from minivllm.context import reset_context
 from minivllm.layers.attention import attention_layers
 from minivllm.loader import MTP_PREFIX, load_weights
 from minivllm.models.registry import get_model_class
-from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_drafts
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from minivllm.sampling_params import InvalidParameter
+from minivllm.errors import InvalidParameter
 from minivllm.structured.compile_worker import CompileTimeout, WorkerDied, WorkerPool
 from minivllm.structured.params import StructuredOutputsParams
 

@@ -8,6 +8,8 @@ grammar itself is valid is the compiler's question, asked when the engine takes 
 import json as _json
 from dataclasses import dataclass
 
+from minivllm.errors import InvalidParameter
+
 # What one spec may weigh: compiling is done for the request before any other work, and a
 # grammar's size drives its compile time and memory.
 MAX_SPEC_CHARS = 64 * 1024
@@ -68,6 +70,4 @@ def _require(ok: bool, field: str, allowed: str) -> None:
 
 
 def _fail(message: str, param: str) -> None:
-    from minivllm.sampling_params import InvalidParameter  # (that module imports this one)
-
     raise InvalidParameter(f"SamplingParams.structured_outputs: {message}", param)

@@ -17,7 +17,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from minivllm.sampling_params import InvalidParameter
+from minivllm.errors import InvalidParameter
 from minivllm.structured.params import StructuredOutputsParams
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}

@@ -1,0 +1,56 @@
+"""POST /v1/chat/completions: messages in, through the chat template; the answer's text, or
+its tool calls when the request offers tools (``server.tools``), streamed or whole."""
+import functools
+import uuid
+
+from fastapi import Request
+
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.server.protocol import ChatCompletionRequest, chat_logprobs, now, prompt_logprobs
+from minivllm.server.serving_engine import OpenAIServingGeneration
+from minivllm.server.streaming import EventStream, stream_events
+from minivllm.server.tools import ToolAnswer, tool_plan
+from minivllm.structured.tools import ToolPlan
+
+
+class OpenAIServingChat(OpenAIServingGeneration):
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
+        """The answer to a parsed chat request (``request``: the HTTP request it came in,
+        watched for a disconnect): a dict, or an event stream with ``stream: true``."""
+        params = self.sampling_params(body)
+        ids, text = await self.encode_messages(body)
+        self.check_prompt(ids, params, "messages", body=body)
+        plan = tool_plan(body)
+        if plan is not None and plan.mode == "none":
+            plan = None  # the tools reached the template; the answer is text
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        await self.compile_grammar(params, body)
+        outputs = self.start([(ids, text)], params, request_id, request)
+        head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
+        answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed
+        choice = functools.partial(self.choice, plan, answers, params.logprobs)
+        if body.stream:
+            head = {**head, "object": "chat.completion.chunk"}
+            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                     for j in range(params.n)]
+            return EventStream(stream_events(outputs, head, functools.partial(choice, stream=True), body.stream_options,
+                                             first=first, n=params.n))
+        # vLLM's prompt_logprobs, for the whole response (one prompt).
+        extra = (lambda finals: {"prompt_logprobs": prompt_logprobs(finals[0])}) if params.prompt_logprobs is not None \
+            else None
+        return await self.respond(outputs, request, head, choice, params.n, extra)
+
+    def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], k: int | None, index: int,
+               output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
+               stream: bool = False) -> dict:
+        """One choice of the answer (a message), or of a stream's chunk (a delta: what is new
+        since ``sent_text`` characters and ``sent_tokens`` tokens were sent)."""
+        reason = c.finish_reason
+        if plan is not None:
+            answer = answers.setdefault(index, ToolAnswer(plan, self.config.tool_call_parser))
+            message, reason = answer.delta(c.text, reason) if stream else answer.message(c.text, reason)
+        else:
+            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
+        return {"index": index, "delta" if stream else "message": message,
+                "logprobs": chat_logprobs(c, k, sent_tokens) if k is not None else None,
+                "finish_reason": reason, "stop_reason": c.stop_reason}
