@@ -354,7 +354,8 @@ def test_greedy_identical_on_gpu(tmp_path, family):
 def test_state_pools_that_do_not_fit_are_a_clear_error(tmp_path):
     """The pools' size is what allocate_state_pools allocates; more than the free memory is a
     ValueError naming the settings to lower, before anything is allocated."""
-    from minivllm.engine.state_pool import check_state_pools_fit, state_layers, state_slot_bytes
+    from minivllm.engine.state_pool import check_state_pools_fit, state_slot_bytes
+    from minivllm.layers.gated_deltanet import state_layers
     from minivllm.loader import load_model
 
     path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=6)
