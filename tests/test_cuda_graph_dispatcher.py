@@ -35,7 +35,8 @@ def test_plan_captures_decode_prefill_and_scratch_graphs():
     assert small.sizes[PREFILL][-1] == 1024 and small.sizes[SCRATCH] == [512, 768, 1024]
     assert plan(budget=8192, max_model_len=300).sizes[PREFILL][-1] == 256  # and so does max_model_len
     assert SCRATCH not in plan(budget=384).sizes  # no prefill graph of 512 tokens or more: no twin
-    assert plan(max_num_seqs=1000).sizes[DECODE][-1] == 512 and plan(max_num_seqs=20).sizes[DECODE] == [1, 2, 4, 8, 16, 20]
+    assert plan(max_num_seqs=1000).sizes[DECODE][-1] == 512
+    assert plan(max_num_seqs=20).sizes[DECODE] == [1, 2, 4, 8, 16, 20]
 
 
 def test_plan_verify_graphs_per_decode_size_within_the_budget():
@@ -178,7 +179,8 @@ def test_a_verify_replay_pads_whole_sequences():
     assert b["cu_seqlens_q"][:3].tolist() == [0, 3, 5] and b["block_tables"][1, :3].tolist() == [3, -1, -1]
     assert b["spec_state_counts"][:2].tolist() == [0, 0]
     replay(graphs, [1, 2, 3], is_prefill=True, max_seqlen_q=2, cu_seqlens_q=torch.tensor([0, 2, 3, 3]),
-           slot_mapping=torch.arange(3), context_lens=torch.tensor([5, 5, 0]), block_tables=torch.zeros(3, 1, dtype=torch.long),
+           slot_mapping=torch.arange(3), context_lens=torch.tensor([5, 5, 0]),
+           block_tables=torch.zeros(3, 1, dtype=torch.long),
            state_slots=torch.tensor([1, 2, 3]), has_initial_state=torch.tensor([1, 1, 1]),
            spec_state_counts=torch.tensor([1, 0, 0]))
     assert b["cu_seqlens_q"][:5].tolist() == [0, 2, 3, 3, 3]  # the padding sequence has no queries

@@ -184,7 +184,8 @@ class StaticInputs:
     def __init__(self, names: list[str], max_seqs: int, max_tokens: int, max_blocks: int, hidden: torch.Tensor,
                  constant: tuple[str, ...] = ()):
         device = hidden.device
-        shapes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,), "table": (max_seqs, max_blocks)}
+        shapes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,),
+                  "table": (max_seqs, max_blocks)}
         self.buffers = {name: torch.full(shapes[rows], pad if isinstance(pad, int) else 0, dtype=torch.int64,
                                          device=device)
                         for name, rows, pad in GRAPH_INPUTS if name in names}
