@@ -139,12 +139,28 @@ class PinnedStaging:
 
 def pack_batch(batch: ScheduledBatch, rows_to_sample: list[int] | None, previous_rows: dict[int, int] | None,
                block_size: int) -> StepInputs:
-    """Flatten the batch into one step: each sequence's new tokens (its drafts to verify
-    among them), their positions and KV slots, and which rows get logits (the last token
-    of each sequence in ``rows_to_sample``; None: every sequence). With asynchronous
-    scheduling a sequence's newest token may still be on the device: its input row is a
-    placeholder, filled on the device from row ``previous_rows[seq_id]`` of the previous
-    step's sampled tokens (the step's pending rows)."""
+    """Flatten the batch into one step: its tokens (``token_fields``), which rows get
+    logits (the last token of each sequence in ``rows_to_sample``; None: every sequence),
+    the prompt rows to score, and the KV blocks to copy first."""
+    fields = token_fields(batch, previous_rows, block_size)
+    cu = fields["cu_seqlens_q"]
+    rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
+    prompt_rows, prompt_targets, prompt_top_k = prompt_logprob_rows(batch, cu)
+    copies = batch.block_copies
+    fields |= {"logits_indices": logits_rows(batch, rows, cu), "prompt_rows": prompt_rows,
+               "prompt_targets": prompt_targets, "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies]}
+    return StepInputs.pack(
+        fields, [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
+        max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))) and not batch.num_drafts,
+        prompt_top_k=prompt_top_k, from_scratch=not any(seq.num_computed_tokens for seq in batch.seqs))
+
+
+def token_fields(batch: ScheduledBatch, previous_rows: dict[int, int] | None, block_size: int) -> dict[str, list[int]]:
+    """Each sequence's new tokens (its drafts to verify among them), their positions and KV
+    slots, its context length after the step and the cumulative query lengths. With
+    asynchronous scheduling a sequence's newest token may still be on the device: its input
+    row is a placeholder (a pending row), filled on the device from row
+    ``previous_rows[seq_id]`` of the previous step's sampled tokens."""
     input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
     pending_dst, pending_src = [], []
     bs = block_size
@@ -172,18 +188,8 @@ def pack_batch(batch: ScheduledBatch, rows_to_sample: list[int] | None, previous
         # END SOLUTION
         context_lens.append(start + n)
         cu.append(cu[-1] + n)
-    rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
-    copies = batch.block_copies
-    prompt_rows, prompt_targets, prompt_top_k = prompt_logprob_rows(batch, cu)
-    return StepInputs.pack(
-        {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
-         "cu_seqlens_q": cu, "logits_indices": logits_rows(batch, rows, cu),
-         "pending_dst": pending_dst, "pending_src": pending_src,
-         "copy_src": [c[0] for c in copies], "copy_dst": [c[1] for c in copies],
-         "prompt_rows": prompt_rows, "prompt_targets": prompt_targets},
-        [seq.block_table for seq in batch.seqs], is_prefill=any(n > 1 for n in batch.num_new_tokens),
-        max_seqlen_q=max(batch.num_new_tokens), logits_of_every_sequence=list(rows) == list(range(len(batch.seqs))) and not batch.num_drafts,
-        prompt_top_k=prompt_top_k, from_scratch=not any(seq.num_computed_tokens for seq in batch.seqs))
+    return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
+            "cu_seqlens_q": cu, "pending_dst": pending_dst, "pending_src": pending_src}
 
 
 def logits_rows(batch: ScheduledBatch, rows, cu: list[int]) -> list[int]:
