@@ -6,7 +6,7 @@ Your ``BlockManager._take_free_block`` and ``BlockManager.free``
 blocks, and the pool's bookkeeping is checked after every operation
 (``check_invariants``: reference counts equal uses, the free list holds exactly the
 unreferenced blocks, the hash table points only at blocks carrying that hash). Your slot
-mapping (``ModelRunner.prepare`` in exercises/minivllm/engine/model_runner.py) is compared
+mapping (``token_fields`` in exercises/minivllm/engine/step_inputs.py) is compared
 with ``block_table[p // block_size] * block_size + p % block_size`` on batches that mix
 prefills, prefill chunks that start mid-sequence and decodes, over scattered block tables.
 Finally the whole engine, on 4-token blocks in a pool small enough to be reused, must

@@ -1,19 +1,19 @@
 """Chapter 10 — CUDA graphs: which batch sizes get a graph, and which graph a batch replays in.
 
-Your ``graph_batch_sizes`` and ``padded_batch_size`` (exercises/minivllm/engine/model_runner.py)
+Your ``graph_batch_sizes`` and ``padded_batch_size`` (exercises/minivllm/engine/cuda_graphs.py)
 are pure functions of integers, so they are graded on the CPU: exact lists for the
 configurations a reader meets (1, 3, 8, 20, 256, 1000 sequences), then properties over every
 max_num_seqs from 1 to 600 (ascending, no duplicates, the largest is max_num_seqs capped at
 512, every power of two up to 8 and every multiple of 16 present), and for the padding:
 the smallest captured size that holds the batch, for every batch size, and a clear error
-for a batch larger than every graph. ``ModelRunner.capture_cudagraphs`` and ``_replay`` call
+for a batch larger than every graph. ``CudaGraphDispatcher.plan`` and ``dispatch`` call
 exactly these functions on a GPU.
 """
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.engine.model_runner import graph_batch_sizes, padded_batch_size
+from minivllm.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 
 
 @pytest.mark.parametrize(

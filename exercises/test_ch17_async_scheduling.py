@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context
-from minivllm.engine.model_runner import StepInputs
+from minivllm.engine.step_inputs import StepInputs
 from minivllm.engine.sequence import Sequence
 from minivllm.testing import torch_threads
 

@@ -36,7 +36,8 @@ from minivllm import LLM
 from minivllm.bench.gated_delta import QWEN3_5_LAYER
 from minivllm.bench.roofline import QWEN3_0_6B
 from minivllm.bench.throughput import model_checkpoint
-from minivllm.engine.model_runner import ModelRunner, StepInputs
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_inputs import StepInputs
 
 HYBRID = QWEN3_0_6B | dict(  # Qwen3-0.6B's widths, Qwen3.5's layout and linear-attention heads
     layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,

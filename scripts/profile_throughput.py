@@ -65,7 +65,7 @@ def main():
         # Finer host calls, named in the gaps' listing only (not ranges of the tables above).
         from minivllm.engine.block_manager import BlockManager
         from minivllm.engine.llm_engine import LLMEngine
-        from minivllm.engine.model_runner import StepInputs
+        from minivllm.engine.step_inputs import StepInputs
         from minivllm.layers.sampler import SampledTokens
 
         for owner, name in ((ModelRunner, "upload"), (ModelRunner, "_to_device"), (SampledTokens, "to_host"),

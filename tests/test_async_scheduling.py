@@ -232,7 +232,7 @@ def test_gpu_staged_uploads_arrive_intact_through_every_buffer():
     the caller (None)."""
     import torch
 
-    from minivllm.engine.model_runner import PinnedStaging
+    from minivllm.engine.step_inputs import PinnedStaging
 
     staging = PinnedStaging(1000, num_buffers=3)
     for buffer in staging.buffers:

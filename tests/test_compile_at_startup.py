@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.model_runner import FIELD_ALIGN, StepInputs
+from minivllm.engine.step_inputs import FIELD_ALIGN, StepInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,7 +87,7 @@ def test_matmuls_are_warmed_at_every_row_count_a_run_reaches(tiny_qwen3, monkeyp
     import torch
 
     import minivllm.ops.linear
-    from minivllm.engine.model_runner import MATMUL_WARM_STEP
+    from minivllm.engine.runner_startup import MATMUL_WARM_STEP
 
     llm = LLM(str(tiny_qwen3), max_num_batched_tokens=300, max_num_seqs=40)
     runner = llm.engine.runner

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine.cuda_graphs import DECODE, PREFILL, SCRATCH
 from minivllm.testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -75,7 +76,7 @@ def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
             if not eager:
                 # Every prompt fits one prefill step (under 8,192 tokens), then all n
                 # sequences decode together: 19 steps, each replaying the padded graph.
-                replays = llm.engine.runner.graph_replays
+                replays = llm.engine.runner.cudagraphs.replays_of(DECODE)
                 padded = {3: 4, 5: 8, 17: 32}[n]
                 assert replays[padded] == 19 and sum(replays.values()) == 19, replays
             del llm
@@ -102,8 +103,8 @@ def test_prefill_graphs_replay_one_sequence_steps(tmp_path):
                         [[max(d.values(), key=lambda x: x.logprob).logprob if d else None for d in o.prompt_logprobs]
                          for o in outs]))
         if not eager:
-            assert llm.engine.runner.prefill_graph_sizes[-1] == 512
-            replays = llm.engine.runner.prefill_graph_replays
+            assert llm.engine.runner.cudagraphs.dispatcher.sizes[PREFILL][-1] == 512
+            replays = llm.engine.runner.cudagraphs.replays_of(PREFILL, SCRATCH)  # a size's graph or its twin
             assert replays[16] >= 2 and replays[32] >= 1 and replays[128] >= 1 and replays[512] >= 1, replays
         llm.shutdown()  # its KV pool back before the next engine sizes its own
     assert results[0][0] == results[1][0]
@@ -129,16 +130,17 @@ def test_prompts_from_scratch_replay_their_own_prefill_graphs(tmp_path, monkeypa
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, max_num_batched_tokens=1024)
     graphed = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    runner = llm.engine.runner
-    assert sorted(runner.scratch_graphs) == [512, 768, 1024]
-    assert runner.scratch_graph_replays[768] >= 2 and runner.scratch_graph_replays[1024] >= 1, runner.scratch_graph_replays
-    assert runner.prefill_graph_replays[512] > runner.scratch_graph_replays[512], "the cached chunk: the general graph"
+    graphs = llm.engine.runner.cudagraphs
+    assert graphs.dispatcher.sizes[SCRATCH] == [512, 768, 1024]
+    twins = graphs.replays_of(SCRATCH)
+    assert twins[768] >= 2 and twins[1024] >= 1, twins
+    assert graphs.replays_of(PREFILL)[512] > 0, "the cached chunk: the general graph"
     llm.shutdown()
     default = paged_attention.prefill_config
     monkeypatch.setattr(paged_attention, "prefill_config", lambda *a, **k: {**default(*a, **k), "NEW_KV": False})
     llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, max_num_batched_tokens=1024)
     gathered = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert llm.engine.runner.scratch_graph_replays[768] >= 2  # the twins again, now gathering
+    assert llm.engine.runner.cudagraphs.replays_of(SCRATCH)[768] >= 2  # the twins again, now gathering
     llm.shutdown()
     assert graphed == gathered
 

@@ -281,7 +281,7 @@ def test_paged_prefill_from_scratch(heads, kv_heads, window):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)], ids=["group2", "group4", "group1"])
 def test_paged_prefill_verifying_step_with_padding(heads, kv_heads):
-    """A verifying step as its CUDA graph lays it out (ModelRunner._capture_verify_graphs):
+    """A verifying step as its CUDA graph lays it out (minivllm.engine.cuda_graphs, a verify graph):
     sequences of 1 to 9 query tokens after contexts short and long, then padding sequences
     with no queries and no keys, then padding rows that belong to no sequence. The default
     tiles (on a GPU, the short-query ones: every query is at most SHORT_QUERY tokens) must

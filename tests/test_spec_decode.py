@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine.cuda_graphs import DECODE, VERIFY
 from minivllm.spec_decode import SpeculativeConfig, num_accepted, propose_ngram
 from minivllm.testing import make_tiny_checkpoint
 from shared import same_outputs as same
@@ -359,8 +360,9 @@ def test_greedy_identical_on_gpu_with_cuda_graphs():
                speculative_config=dict(NGRAM, num_speculative_tokens=4))
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
     runner = spec.engine.runner
-    assert runner.graph_replays and sum(runner.graph_replays.values()) > 0
-    assert runner.verify_graphs.query_len == 5 and sum(n for bs, n in runner.verify_graphs.replays.items() if bs > 1) > 0
+    assert sum(runner.cudagraphs.replays_of(DECODE).values()) > 0
+    assert runner.cudagraphs.dispatcher.verify_query_len == 5
+    assert sum(n for bs, n in runner.cudagraphs.replays_of(VERIFY).items() if bs > 1) > 0
     assert accepted(spec) > 0
 
 

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine.cuda_graphs import DECODE, VERIFY
 from minivllm.engine.sequence import Sequence
 from minivllm.llm import BUNDLED_MODEL
 from minivllm.spec_decode import SpeculativeConfig
@@ -420,8 +421,8 @@ def test_greedy_identical_on_gpu(bundled_draft):
     del plain
     spec = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, speculative_config=draft(bundled_draft, 4))
     same(want, spec.generate(prompts, params, use_tqdm=False), logprob_tol=1e-3)
-    assert sum(spec.engine.runner.graph_replays.values()) > 0
-    assert sum(spec.engine.runner.verify_graphs.replays.values()) > 0
+    assert sum(spec.engine.runner.cudagraphs.replays_of(DECODE).values()) > 0
+    assert sum(spec.engine.runner.cudagraphs.replays_of(VERIFY).values()) > 0
     assert sum(spec.engine.proposer.graphs.replays.values()) > 0  # the draft's whole proposals
     s = stats(spec)
     assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]

@@ -19,6 +19,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.context import reset_context, set_context
+from minivllm.engine.cuda_graphs import VERIFY
 from minivllm.engine.state_pool import allocate_state_pools, keep_accepted_states
 from minivllm.layers.gated_deltanet import GatedDeltaNet
 from minivllm.ops import gated_delta
@@ -348,13 +349,15 @@ def test_greedy_identical_on_gpu(tmp_path, family):
     assert set(spec.engine.proposer.lengths) == set(range(5))
     runner = spec.engine.runner
     assert runner.graphs, "decode steps did not run on CUDA graphs"
-    assert sum(n for bs, n in runner.verify_graphs.replays.items() if bs > 1) > 0, "no batched verify graph replayed"
+    verify = runner.cudagraphs.replays_of(VERIFY)
+    assert sum(n for bs, n in verify.items() if bs > 1) > 0, "no batched verify graph replayed"
 
 
 def test_state_pools_that_do_not_fit_are_a_clear_error(tmp_path):
     """The pools' size is what allocate_state_pools allocates; more than the free memory is a
     ValueError naming the settings to lower, before anything is allocated."""
-    from minivllm.engine.state_pool import check_state_pools_fit, state_layers, state_slot_bytes
+    from minivllm.engine.state_pool import check_state_pools_fit, state_slot_bytes
+    from minivllm.layers.gated_deltanet import state_layers
     from minivllm.loader import load_model
 
     path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=6)

@@ -26,15 +26,10 @@ from collections import deque
 
 import numpy as np
 import torch
-from torch import nn
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.gated_deltanet import GatedDeltaNet
-
-
-def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
-    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
 
 
 def state_slot_bytes(layers: list[GatedDeltaNet], dtype: torch.dtype, num_spec_states: int = 0) -> int:

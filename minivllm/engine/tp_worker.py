@@ -3,7 +3,7 @@
 One process per rank, started with ``torch.multiprocessing`` (spawn). This process is
 rank 0: it holds the scheduler, the block manager and the sampler, exactly as in a single
 process. Each step it prepares the batch as usual (``ModelRunner.prepare``: one small host
-array, ``StepInputs``), puts it in every worker's queue, and runs its own share of the
+array, ``engine.step_inputs.StepInputs``), puts it in every worker's queue, and runs its own share of the
 forward pass. Each worker loops: take a step from its queue, run the model on it
 (``ModelRunner.execute``), throw the logits away. The workers' all-reduces meet rank 0's
 inside the forward pass, so the ranks stay in lockstep without any other synchronisation.
@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.distributed.parallel_state import backend_for, destroy_tensor_parallel, init_tensor_parallel
 from minivllm.distributed.processes import ProcessExited, free_port, get_from
-from minivllm.engine.model_runner import ModelRunner, StepInputs
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_inputs import StepInputs
 
 # How long any rank waits for the others: to start (spawn, imports, loading weights) and
 # in any one collective.

@@ -13,7 +13,7 @@ SHORT_STEP_TOKENS = 16
 # Integer arguments that change from step to step (a row count, a block table's width, a
 # number of splits) are ``do_not_specialize`` in their kernels: Triton would otherwise
 # compile a variant for each value's divisibility by 16 (and for the value 1), in the middle
-# of a user's run. Pointer arguments stay aligned instead (model_runner.FIELD_ALIGN).
+# of a user's run. Pointer arguments stay aligned instead (engine.step_inputs.FIELD_ALIGN).
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -91,3 +91,8 @@ class GatedDeltaNet(nn.Module):
         out = gated_delta_rule_varlen(q, k, v, g, beta, self.recurrent_states, ctx, self.spec_recurrent_states)
         out = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.flatten(1))
+
+
+def state_layers(model: nn.Module) -> list[GatedDeltaNet]:
+    """Every Gated DeltaNet layer of a model, in order: the layers a state slot pool is attached to."""
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]

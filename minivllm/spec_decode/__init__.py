@@ -13,7 +13,7 @@ the sequence's computed tokens and blocks are cut back past the rejected ones, w
 lies beyond its end and is overwritten later.
 
 CUDA graphs: a verifying step has several tokens per sequence, so it is not a decode
-step; on a GPU it replays a verify graph (``minivllm.cuda_graphs``: per decode batch size,
+step; on a GPU it replays a verify graph (``minivllm.engine.cuda_graphs``: per decode batch size,
 each sequence at most 1 + k tokens, padded), and a draft model's whole proposal is one
 graph too (``minivllm.spec_decode.proposal``). A hybrid model's verifying steps replay
 verify graphs as well (their Gated DeltaNet layers run the short-step kernels, which read
