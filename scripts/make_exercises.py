@@ -9,9 +9,10 @@ A solution region sits inside a function body of any ``minivllm/**/*.py`` file:
         # END SOLUTION
 
 The word after the chapter tag is a key into ``exercises/hints.toml``, which holds the hint
-(what to write) under the chapter's table: ``[ch01]`` then ``rms_norm = "rms_norm: y = ..."``.
+(what the unit must do, never its code) under the chapter's table: ``[ch01]`` then
+``rms_norm = "rms_norm: divide each row by its root mean square ..."``.
 Keeping the hints there keeps the package readable; a short hint may also be written in the
-marker itself, in double quotes (``# BEGIN SOLUTION ch01 "rms_norm: y = ..."``).
+marker itself, in double quotes (``# BEGIN SOLUTION ch01 "rms_norm: divide ..."``).
 
 For every file that has regions, two copies are written, at the same relative path:
 
