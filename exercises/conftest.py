@@ -13,16 +13,14 @@ so an unfinished chapter 03 cannot fail chapter 01's tests and a chapter 01 mist
 fail chapter 03's.
 
     make grade                      # grade all your answers (pytest exercises)
-    make grade CH=01                # one chapter (pytest exercises -k ch01)
+    make grade CH=01                # one chapter (pytest exercises/test_ch01_*.py); CH=1 too
     make grade CH=01 SOLUTIONS=1    # the same tests against the reference answers (--solutions)
 """
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -51,8 +49,10 @@ def _load_by_path(name: str, path: Path):
     return module
 
 
-# The import hook, shared with the notebooks' switch (minivllm/learner.py).
-GradedCopyFinder = _load_by_path("_minivllm_learner", ROOT / PACKAGE / "learner.py").CopyFinder
+# The import hook and the swap of a function's code, shared with the notebooks' switch
+# (minivllm/learner.py).
+learner = _load_by_path("_minivllm_learner", ROOT / PACKAGE / "learner.py")
+GradedCopyFinder = learner.CopyFinder
 
 
 def _generator():
@@ -126,59 +126,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # --- one chapter at a time ------------------------------------------------------------
 
 
-def _reference_code(path: Path, qualname: str) -> types.CodeType:
-    """The code object of function ``qualname`` in the file at ``path``, without running it."""
-
-    def walk(code, prefix):
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                name = prefix + const.co_name
-                if name == qualname:
-                    return const
-                found = walk(const, name + ".")
-                if found is not None:
-                    return found
-        return None
-
-    found = walk(compile(path.read_text(encoding="utf-8"), str(path), "exec"), "")
-    if found is None:
-        raise LookupError(f"{qualname} is not in {path}; run python scripts/make_exercises.py")
-    return found
-
-
-def _swap_in(module: types.ModuleType, qualname: str, code: types.CodeType):
-    """Make ``module.<qualname>`` run ``code``; return a function that undoes it."""
-    *outer, name = qualname.split(".")
-    owner = module
-    for part in outer:
-        owner = getattr(owner, part)
-    raw = vars(owner)[name]
-    target = raw
-    if isinstance(target, (staticmethod, classmethod)):
-        target = target.__func__
-    elif isinstance(target, property):
-        target = target.fget
-    target = inspect.unwrap(target)
-    target = getattr(target, "fn", target)  # a kernel decorator keeps the function as .fn
-    if isinstance(target, types.FunctionType) and target.__code__.co_freevars == code.co_freevars:
-        # Swapping the code keeps every existing reference (``from ... import f``) in step.
-        old = target.__code__
-        target.__code__ = code
-
-        def undo():
-            target.__code__ = old
-
-        return undo
-    if isinstance(target, types.FunctionType) and set(code.co_freevars) <= {"__class__"}:
-        cells = tuple(types.CellType(owner) for _ in code.co_freevars)
-        new = types.FunctionType(code, target.__globals__, target.__name__, target.__defaults__, cells)
-        new.__kwdefaults__ = target.__kwdefaults__
-        wrapped = type(raw)(new) if isinstance(raw, (staticmethod, classmethod)) else new
-        setattr(owner, name, wrapped)
-        return lambda: setattr(owner, name, raw)
-    raise TypeError(f"cannot swap the reference into {module.__name__}.{qualname} ({type(raw).__name__})")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _grade_one_chapter(request):
     """Your code for this file's chapter; the reference for every other chapter's regions."""
@@ -208,8 +155,8 @@ def _grade_one_chapter(request):
                     pytrace=False,
                 )
             for function in swaps:
-                code = _reference_code(TREES["solutions"] / source.rel, function)
-                undo.append(_swap_in(module, function, code))
+                code = learner.reference_code(TREES["solutions"] / source.rel, function)
+                undo.append(learner.swap_in(module, function, code))
         yield chapter
     finally:
         for step in reversed(undo):

@@ -3,10 +3,10 @@ import os as _os
 
 if _os.environ.get("MINIVLLM_LEARNER", "").strip() not in ("", "0"):
     # The course's switch, first of all: every exercise module imported from here on comes
-    # from the learner's copy (exercises/minivllm/) or the reference (solutions/minivllm/).
+    # from the learner's copy (exercises/minivllm/, up to a chapter) or the reference (solutions/minivllm/).
     from minivllm import learner as _learner
 
-    _learner.install(_learner.tree_of(_os.environ["MINIVLLM_LEARNER"]))
+    _learner.install(*_learner.parse(_os.environ["MINIVLLM_LEARNER"]))
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams

@@ -8,6 +8,7 @@ chapter never prints the answer above its task. ``answers=True`` shows the refer
     from minivllm.course import show
     show(BlockManager.free)                  # the learner's copy: the stub in place of the answer
     show(BlockManager.free, answers=True)    # the reference answer
+    file_text("minivllm/engine/block_manager.py")  # a whole file, as the learner's copy holds it
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ def listing(obj, answers: bool = False, start: str | None = None) -> str:
             raise ValueError(f"no line of {qualname or rel} starts with {start!r}")
         text = "".join(lines[at[0] :])
     return text
+
+
+def file_text(path: str | Path, answers: bool = False) -> str:
+    """The text of a package file (``minivllm/x/y.py``, or its path) as the learner's copy holds
+    it: from ``exercises/`` where the file has exercises, with the stubs in place of the answers
+    (``answers``: from ``solutions/``), else the package's own."""
+    rel = _package_path(ROOT / path) if not Path(path).is_absolute() else _package_path(Path(path))
+    if rel is None:
+        raise ValueError(f"{path} is not a file of {PACKAGE}/")
+    copy = TREES[answers] / rel
+    return (copy if copy.is_file() else ROOT / rel).read_text(encoding="utf-8")
 
 
 def answer(rel: str, qualname: str) -> str:

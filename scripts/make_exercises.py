@@ -9,9 +9,10 @@ A solution region sits inside a function body of any ``minivllm/**/*.py`` file:
         # END SOLUTION
 
 The word after the chapter tag is a key into ``exercises/hints.toml``, which holds the hint
-(what to write) under the chapter's table: ``[ch01]`` then ``rms_norm = "rms_norm: y = ..."``.
+(what the unit must do, never its code) under the chapter's table: ``[ch01]`` then
+``rms_norm = "rms_norm: divide each row by its root mean square ..."``.
 Keeping the hints there keeps the package readable; a short hint may also be written in the
-marker itself, in double quotes (``# BEGIN SOLUTION ch01 "rms_norm: y = ..."``).
+marker itself, in double quotes (``# BEGIN SOLUTION ch01 "rms_norm: divide ..."``).
 
 For every file that has regions, two copies are written, at the same relative path:
 
@@ -267,8 +268,12 @@ def _summary(source: SourceFile) -> str:
     return ", ".join(f"{name} ({chapter})" for name, chapter in source.functions().items())
 
 
-def render(source: SourceFile, tree: str, root: Path = ROOT) -> str:
-    """The text of one generated copy: ``tree`` is "exercises" or "solutions"."""
+def render(source: SourceFile, tree: str, root: Path = ROOT, answered: int = 0) -> str:
+    """The text of one generated copy: ``tree`` is "exercises" or "solutions".
+
+    ``answered``: the exercise copy keeps the code of the regions of chapters up to this one,
+    as a learner who has done them would have it (the course's tests build such copies).
+    """
     chapters = sorted({r.chapter for r in source.regions})
     if tree == "exercises":
         header = [
@@ -290,7 +295,7 @@ def render(source: SourceFile, tree: str, root: Path = ROOT) -> str:
     for number, line in enumerate(source.lines, start=1):
         if number in starts:
             region = starts[number]
-            if tree == "exercises":
+            if tree == "exercises" and region.number > answered:
                 see = notebook_reference(root, region.number)
                 out.extend(stub(region.indent, f"{region.chapter}: {region.hint}, {see}"))
                 skipping = True

@@ -4,9 +4,11 @@
   (``scripts/refresh_listings.py --check``), and the chapter's reference answers sit folded
   in its last cell;
 - no notebook carries an exercise marker, and no cell output holds the body of a solution
-  region.
+  region, nor any line of one (20 characters or more, spaces aside) that the learner's copy
+  does not show anyway.
 """
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +46,31 @@ def test_listings_are_up_to_date():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def squeezed(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def answer_lines(source) -> list[tuple[str, str]]:
+    """(where, line) for each line of code of the file's regions that its exercise copy lacks.
+
+    Lines are squeezed (no spaces) and cut at their comment; lines under 20 characters, and
+    lines the learner's copy holds anyway (outside the regions), say nothing of the answer.
+    """
+    visible = {squeezed(line) for line in gen.render(source, "exercises", ROOT).splitlines()}
+    found = []
+    for region in source.regions:
+        for number in range(region.begin + 1, region.end):
+            line = source.lines[number - 1]
+            code = squeezed(line.split("  #")[0] if not line.lstrip().startswith("#") else "")
+            if len(code) >= 20 and code not in visible:
+                found.append((f"{source.rel}:{number} ({region.function})", code))
+    return found
+
+
 def test_no_notebook_prints_an_answer():
-    bodies = []
+    bodies, lines = [], []
     for source in gen.scan(ROOT):
+        lines += answer_lines(source)
         for region in source.regions:
             body = "\n".join(source.lines[region.begin : region.end - 1])
             bodies.append((f"{source.rel}:{region.begin} ({region.function})", body))
@@ -59,4 +83,8 @@ def test_no_notebook_prints_an_answer():
             for where, body in bodies:
                 if body in output:
                     found.append(f"{path.name}, cell {index}: the answer of {where}")
+            printed = squeezed(output)
+            for where, line in lines:
+                if line in printed:
+                    found.append(f"{path.name}, cell {index}: the line {where} of an answer")
     assert not found, "\n".join(found)
