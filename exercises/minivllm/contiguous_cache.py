@@ -21,9 +21,12 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_tokens
     """Bytes of KV cache that ``num_tokens`` tokens occupy: a key and a value vector per
     token, per key/value head, per layer. The one formula behind every memory budget."""
     raise NotImplementedError(
-        "ch04: kv_cache_bytes: 2 (a key and a value) x num_layers x num_kv_heads x head_dim x "
-        "num_tokens elements, times the bytes of one element of dtype (torch.empty((), "
-        "dtype=dtype).element_size()), see notebooks/04_kv_cache.ipynb"
+        "ch04: kv_cache_bytes: the memory a contiguous cache of num_tokens tokens takes: every "
+        "layer keeps, for every token, a key vector and a value vector of head_dim elements per "
+        "key/value head. Count the elements, then multiply by the size in bytes of one element of "
+        "dtype (ask torch rather than tabulating dtypes). Pitfall: the query heads are not cached, "
+        "only the num_kv_heads key/value heads: that is where grouped-query attention saves "
+        "memory, see notebooks/04_kv_cache.ipynb"
     )
 
 

@@ -68,12 +68,15 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
         tokens = sum(n for _, n, _ in step.seqs)
         sampled = len(step.seqs)
         raise NotImplementedError(
-            "ch15: one step's floor: step_bytes = every weight once (params * dtype_bytes) + the "
-            "K/V it reads (step.kv_tokens_read * kv_bytes_per_token); step_flops = 2 * body * "
-            "tokens + 2 * embed * sampled + 4 * num_hidden_layers * num_attention_heads * head_dim "
-            "* step.attention_pairs; add both to the totals; floor += the larger of bytes / copy "
-            "bandwidth and FLOPs / matmul rate (the ceilings dict), see "
-            "notebooks/15_speed_of_light.ipynb"
+            "ch15: one step's floor, its speed of light: a step cannot beat the time to move its "
+            "bytes at the measured copy bandwidth, nor the time to do its FLOPs at the measured "
+            "matmul rate, so its floor is the larger of the two. Bytes: every weight once, plus "
+            "the keys and values it reads (step.kv_tokens_read tokens). FLOPs: two per body "
+            "parameter per token, two per embedding parameter per sampled row (the LM head), and "
+            "four per (query, key) pair, per layer, head and head dimension (the two attention "
+            "matmuls). Add the step's bytes and FLOPs to the totals and its floor to floor; the "
+            "two rates are in the ceilings dict. Pitfall: adding the two times assumes memory and "
+            "compute never overlap, see notebooks/15_speed_of_light.ipynb"
         )
     return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
 

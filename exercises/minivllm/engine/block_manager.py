@@ -28,9 +28,12 @@ from minivllm.engine.sequence import Sequence
 def block_hash(token_ids: list[int], parent_hash: int | None) -> int:
     """The hash of a full block, chained to its parent's so it identifies the whole prefix."""
     raise NotImplementedError(
-        "ch06: block_hash: xxh64 over the parent hash's 8 little-endian bytes (if any) followed by "
-        "the token ids as 4-byte little-endian ints; return intdigest(), see "
-        "notebooks/06_prefix_caching.ipynb"
+        "ch06: block_hash: a full block's identity is its tokens and everything before them, so "
+        "the hashes chain: one xxh64 digest over the parent block's hash (when there is one) "
+        "followed by the block's token ids, returned as an integer. The bytes must not depend on "
+        "the machine: the parent hash as 8 little-endian bytes, each token id as 4 little-endian "
+        "bytes (struct packs a list at once). Pitfall: without the parent, two prompts share a "
+        "block whose tokens match by chance, see notebooks/06_prefix_caching.ipynb"
     )
 
 
@@ -123,9 +126,13 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         raise NotImplementedError(
-            "ch05: _take_free_block: pop the least recently freed block id off free_block_ids; if "
-            "it still has a hash, forget it in hash_to_block (lazy eviction) and clear its hash "
-            "and token_ids; set ref_count to 1; return the id, see notebooks/05_paged_blocks.ipynb"
+            "ch05: _take_free_block: hand out the block freed longest ago (free_block_ids is "
+            "ordered, oldest first), so recently freed blocks, whose cached contents are the "
+            "likeliest to be asked for again, are evicted last. A block that still carries a hash "
+            "loses its cached contents here (lazy eviction): forget its hash in hash_to_block, but "
+            "only if that entry still names this block (another block may have registered the same "
+            "hash since), and clear the block's hash and tokens. The block leaves with one owner; "
+            "return its id, see notebooks/05_paged_blocks.ipynb"
         )
 
     # -- growth during decode ----------------------------------------------------------
@@ -213,9 +220,12 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks. Cached contents stay until the block is reused."""
         raise NotImplementedError(
-            "ch05: free: for each block of seq.block_table, last block first, drop its ref_count "
-            "by one and put it on free_block_ids when it reaches 0; then empty the table and reset "
-            "num_computed_tokens to 0, see notebooks/05_paged_blocks.ipynb"
+            "ch05: free: give a sequence's blocks back. A block may be shared (prefix caching): "
+            "drop one reference, and only a block nobody references any more goes on the free "
+            "list, its hash kept so that a later request can still find it. The order sets the "
+            "eviction order: free the table from its last block to its first, so a prefix's first "
+            "blocks, the most shared, are evicted last. Afterwards the sequence owns nothing: an "
+            "empty block table, no computed tokens, see notebooks/05_paged_blocks.ipynb"
         )
 
     def slot(self, seq: Sequence, position: int) -> int:

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Fill in: Scheduler.schedule (ch07).
+# Fill in: Scheduler._schedule_running (ch07).
 # Grade: make grade CH=07
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -35,6 +35,7 @@ class ScheduledBatch:
     # Speculative decoding: of num_new_tokens[i], how many are draft tokens (computed after
     # the sequence's last known token, to be verified). Empty: none this step.
     num_drafts: list[int] = field(default_factory=list)
+    cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache at this step's admissions
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -70,8 +71,18 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        # 1. Running sequences first: decodes and unfinished chunked prefills.
+        hits_before = self.block_manager.cache_hit_tokens
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        self._admit_waiting(batch, budget)
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
+        batch.block_copies = self.block_manager.take_block_copies()
+        batch.cache_hit_tokens = self.block_manager.cache_hit_tokens - hits_before
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running sequences first: decodes and unfinished chunked prefills. Returns the
+        budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -82,17 +93,14 @@ class Scheduler:
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
-                # A decode with drafts: its last token and as many drafts as the budget allows,
-                # and none if their blocks do not fit (a guess is not worth a preemption).
-                seq.draft_token_ids = seq.draft_token_ids[: budget - n]
-                if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
-                    seq.draft_token_ids = []
-                n += len(seq.draft_token_ids)
+                n += self._fit_drafts(seq, n, budget)
             raise NotImplementedError(
-                "ch07: make room for seq: while the block manager cannot grow seq by n tokens, "
-                "preempt the most recently admitted running sequence (self.running[-1]) with "
-                "self._preempt and record it in batch.preempted; if that was seq itself, stop (set "
-                "seq = None and break), see notebooks/07_scheduler.ipynb"
+                "ch07: make room for seq: before seq grows by n tokens the pool must have blocks "
+                "for them. While it has not, preempt by recomputation: the victim is the running "
+                "sequence admitted last (the end of self.running); _preempt gives its blocks back, "
+                "and the batch records it among the preempted. The victim may be seq itself: then "
+                "seq does not run this step, and there is no more room to make for it. Invariant: "
+                "the loop ends, with room or with seq preempted, see notebooks/07_scheduler.ipynb"
             )
             if seq is None:
                 break
@@ -101,8 +109,20 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        # 2. Admit waiting sequences with the budget that is left (none after a preemption:
-        # memory is short, and the preempted sequence must go first).
+        return budget
+
+    def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """A decode with drafts (speculative decoding): its last token and as many drafts as
+        the budget allows, and none if their blocks do not fit (a guess is not worth a
+        preemption). Returns how many it keeps."""
+        seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+        if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
+            seq.draft_token_ids = []
+        return len(seq.draft_token_ids)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting sequences with the budget that is left (none after a preemption:
+        memory is short, and the preempted sequence must go first)."""
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
@@ -117,10 +137,6 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        if any(seq.draft_token_ids for seq in batch.seqs):
-            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
-        batch.block_copies = self.block_manager.take_block_copies()
-        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

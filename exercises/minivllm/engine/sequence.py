@@ -71,10 +71,12 @@ class Sequence:
         if not self.num_pending:
             return False  # nothing is on the device (always so in the synchronous loop)
         raise NotImplementedError(
-            "ch17: last_token_pending (num_pending > 0 here): True when the sequence's output "
-            "tokens, those on the host and those pending on the device (num_scheduled_tokens - "
-            "num_prompt_tokens), already reach sampling_params.max_tokens; a max_tokens of None "
-            "never does, see notebooks/17_async_scheduling.ipynb"
+            "ch17: last_token_pending (num_pending > 0 here): whether the token still on the "
+            "device is the sequence's last: true when its output tokens, those on the host and "
+            "those pending on the device alike (all it has been scheduled beyond its prompt), "
+            "already reach sampling_params.max_tokens, so that another step would compute a token "
+            "past its end. A max_tokens of None never ends it, see "
+            "notebooks/17_async_scheduling.ipynb"
         )
 
     @property
@@ -88,6 +90,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        """Mark it finished (its blocks are the scheduler's to give back: Scheduler.finish)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
 
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = self.num_tokens if num_tokens is None else num_tokens

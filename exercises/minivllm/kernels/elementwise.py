@@ -43,9 +43,12 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     raise NotImplementedError(
-        "ch09: RMSNorm in the kernel: variance = the sum of x32 * x32 over the row (tl.sum, axis "
-        "0) divided by n_cols (not BLOCK: the masked lanes are zeros, not columns); y = x32 * "
-        "tl.rsqrt(variance + eps), cast back to x.dtype, see notebooks/09_triton_kernels.ipynb"
+        "ch09: RMSNorm in the kernel: one program holds one row, x32 in float32, in BLOCK lanes of "
+        "which those past n_cols are masked and loaded as zeros. Reduce the squares over the row "
+        "and divide by the row's real length: the masked lanes add nothing to the sum and are not "
+        "columns. Normalise with the reciprocal square root of the mean plus eps and go back to "
+        "x's dtype (the weight multiplies afterwards). Pitfall: dividing by BLOCK is right only "
+        "when n_cols is a power of two, see notebooks/09_triton_kernels.ipynb"
     )
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, w * y, mask=mask)

@@ -24,9 +24,13 @@ def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start:
     """Look up the ids that fall in this rank's rows [vocab_start, vocab_start + len(weight));
     every other id gets a zero vector (another rank holds its row)."""
     raise NotImplementedError(
-        "ch16: masked_embedding: local = input_ids - vocab_start; outside = local < 0 or local >= "
-        "weight.shape[0]; look up F.embedding(local with the outside ids replaced by 0, weight), "
-        "then zero the rows of the outside ids, see notebooks/16_tensor_parallelism.ipynb"
+        "ch16: masked_embedding: this rank holds the embedding rows of the slice of the vocabulary "
+        "that starts at vocab_start (weight has one row per id of the slice). Shift every token id "
+        "into the slice and look it up locally; a token outside the slice must neither index out "
+        "of range (give it any valid local id) nor contribute anything but a zero row, so that the "
+        "sum over the ranks (the all-reduce) gives each token exactly its one row. Pitfall: ids "
+        "past the slice's end are outside too, not only the negative ones, see "
+        "notebooks/16_tensor_parallelism.ipynb"
     )
 
 
@@ -89,6 +93,11 @@ class LMHead(nn.Module):
             return logits
         # Each rank scored its slice of the vocabulary: side by side, without the padding.
         return all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+
+def lm_heads(model: nn.Module) -> list[LMHead]:
+    """Every LM head of a model (one, or none in a bare backbone), in order."""
+    return [m for m in model.modules() if isinstance(m, LMHead)]
 
 
 def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:

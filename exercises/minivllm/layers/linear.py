@@ -46,8 +46,9 @@ def split_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     if num_rows % world_size != 0:
         raise ValueError(f"{num_rows} rows cannot be split evenly over tensor_parallel_size={world_size}")
     raise NotImplementedError(
-        "ch16: split_rows: each of the world_size ranks keeps size = num_rows // world_size "
-        "consecutive rows, rank r the r-th block; return (start, size), see "
+        "ch16: split_rows: tensor parallelism gives each of the world_size ranks an equal, "
+        "contiguous share of num_rows rows (num_rows divides evenly), rank r the r-th share. "
+        "Return where this rank's share starts and how many rows it holds, see "
         "notebooks/16_tensor_parallelism.ipynb"
     )
 
@@ -88,6 +89,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def linear_layers(model: nn.Module) -> list[Linear]:
+    """Every linear layer of a model (of every kind: packed, column- and row-parallel), in order."""
+    return [m for m in model.modules() if isinstance(m, Linear)]
 
 
 @dataclass

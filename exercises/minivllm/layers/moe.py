@@ -44,9 +44,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     The weights come back in the logits' dtype, as transformers rounds them.
     """
     raise NotImplementedError(
-        "ch12: route: probs = softmax of router_logits over the experts (last dim) in float32; "
-        "weights, ids = torch.topk(probs, top_k, dim=-1); with renormalize, divide the weights by "
-        "their sum over the last dim (keepdim), see notebooks/12_mixture_of_experts.ipynb"
+        "ch12: route: each token picks its top_k experts by router probability: the softmax of its "
+        "router logits over the experts, in float32. Return the chosen probabilities as weights, "
+        "with the experts' ids. With renormalize, the chosen weights are rescaled to sum to one "
+        "per token (Qwen3-MoE does; some models do not). Pitfall: a softmax over the chosen logits "
+        "alone equals the renormalized weights, not the plain ones, see "
+        "notebooks/12_mixture_of_experts.ipynb"
     )
     return weights.to(router_logits.dtype), ids
 

@@ -37,9 +37,12 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.
     """Divide the positive logits of the tokens in ``seen`` ([rows, vocab] bool: in the
     prompt or the output) by the row's ``penalty`` ([rows]), multiply the negative ones."""
     raise NotImplementedError(
-        "ch08: repetition_penalty: where seen (prompt or output), a logit > 0 is divided by the "
-        "row's penalty and any other is multiplied by it (penalty has shape [rows]: unsqueeze it); "
-        "tokens not seen keep their logit, see notebooks/08_sampling.ipynb"
+        "ch08: repetition_penalty: make the tokens already seen (in the prompt or the output: the "
+        "seen mask) less likely, whatever the sign of their logit: a positive logit shrinks when "
+        "divided by the row's penalty, a negative one moves away from zero when multiplied by it. "
+        "Tokens not seen keep their logit exactly. Pitfalls: dividing a negative logit makes its "
+        "token more likely; penalty holds one value per row, to broadcast over the vocabulary, see "
+        "notebooks/08_sampling.ipynb"
     )
 
 

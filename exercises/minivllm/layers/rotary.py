@@ -22,8 +22,10 @@ from minivllm.ops.rotary import qk_norm_rope
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The rotation speed of each channel pair: base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1."""
     raise NotImplementedError(
-        "ch03: rope_inv_freq: return 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim) in "
-        "float32, see notebooks/03_rope.ipynb"
+        "ch03: rope_inv_freq: one inverse frequency per pair of rotated dimensions, rotary_dim / 2 "
+        "of them: pair i turns at base to the power -2i / rotary_dim, so the first pair turns "
+        "fastest (once per position) and the last slowest. Compute in float32. Pitfall: an "
+        "exponent computed in integer arithmetic rounds to zero, see notebooks/03_rope.ipynb"
     )
 
 

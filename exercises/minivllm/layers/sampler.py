@@ -40,9 +40,12 @@ def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
     raise NotImplementedError(
-        "ch08: top_p_mask: sort logits descending, softmax, cumulative sum; a sorted token is "
-        "dropped when the mass before it (cumsum - its prob) already reaches p; scatter the mask "
-        "back to vocabulary order and fill dropped logits with -inf, see "
+        "ch08: top_p_mask (nucleus sampling): keep the smallest set of most probable tokens whose "
+        "probabilities add up to p, and set the other logits to minus infinity. Per row, in order "
+        "of decreasing probability, a token stays when the mass of the tokens strictly before it "
+        "is still below p: the token that crosses p stays, and so does the most probable one "
+        "always. The result is in vocabulary order. Pitfalls: a mask computed in sorted order must "
+        "go back to each token's own column; p holds one value per row, see "
         "notebooks/08_sampling.ipynb"
     )
 
@@ -57,7 +60,11 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from probs, given Exp(1) noise of the same shape."""
     raise NotImplementedError(
-        "ch08: gumbel_max_sample: return argmax over the last dim of probs / noise, see "
+        "ch08: gumbel_max_sample: draw one token per row from probs without a multinomial call, "
+        "from the Exp(1) noise given (one draw per token, from the request's own generator): the "
+        "token whose probability divided by its noise is largest is distributed exactly as probs "
+        "(the exponential race: independent clocks ringing at rates probs, the first to ring "
+        "wins). Pitfall: multiplying by the noise runs the race backwards, see "
         "notebooks/08_sampling.ipynb"
     )
 

@@ -23,8 +23,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     so their outputs arrive concatenated along the last dimension.
     """
     raise NotImplementedError(
-        "ch01: silu_and_mul: split x in half along the last dim into gate and up, return "
-        "silu(gate) * up, see notebooks/01_weights_forward.ipynb"
+        "ch01: silu_and_mul: the MLP's gate and up projections arrive side by side in one tensor, "
+        "the gate in the first half of the last dimension and the up projection in the second. The "
+        "result is half as wide: the SiLU of the gate (z times sigmoid(z)) scales the up "
+        "projection element by element. Pitfall: halves taken along another dimension may still "
+        "have matching shapes, see notebooks/01_weights_forward.ipynb"
     )
 
 

@@ -35,10 +35,14 @@ def causal_attention(
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
     raise NotImplementedError(
-        "ch02: causal_attention: repeat each k/v head num_heads // num_kv_heads times, build the "
-        "causal mask (query i sees keys j <= kv_len - q_len + i), call "
-        "F.scaled_dot_product_attention on [heads, len, dim] tensors, see "
-        "notebooks/02_attention.ipynb"
+        "ch02: causal_attention: grouped-query attention: num_heads query heads share num_kv_heads "
+        "key and value heads, each key/value head serving a run of consecutive query heads, so the "
+        "key and value heads must be expanded to match the queries. Causality with a cache: the "
+        "q_len queries are the last positions of kv_len keys, so query i sits at position kv_len - "
+        "q_len + i and sees the keys at that position and before. PyTorch's fused attention takes "
+        "[heads, length, dim] while the inputs are [length, heads, dim]; its boolean mask means "
+        "True = may attend. Pitfall: a mask built as if q_len equalled kv_len is wrong as soon as "
+        "a cache exists, see notebooks/02_attention.ipynb"
     )
 
 
@@ -54,12 +58,14 @@ def sliding_window_attention(
     for long prefills, which is acceptable for a reference.
     """
     raise NotImplementedError(
-        "ch11: sliding_window_attention: offset = kv_len - q_len is the first query's position; "
-        "the queries at positions below sliding_window (the first min(q_len, max(0, sliding_window "
-        "- offset)) of them) see every key up to their own: one causal_attention call over "
-        "k[:offset + head]; every later query i (position p = offset + i) is a causal_attention "
-        "call of its own, q[i:i+1] over the keys p - sliding_window + 1 .. p, see "
-        "notebooks/11_model_families.ipynb"
+        "ch11: sliding_window_attention: a query at position p sees only the last sliding_window "
+        "keys up to its own, positions p - sliding_window + 1 to p. The q_len queries are the last "
+        "positions of kv_len keys. The queries at positions below sliding_window see every key up "
+        "to their own: plain causal attention over a prefix of the keys, one call for all of them "
+        "(how many there are, clipped to 0 .. q_len, follows from the first query's position). "
+        "Every later query has a window of its own: one causal_attention call with that single "
+        "query over its window. Pitfall: off by one at either end; the window holds exactly "
+        "sliding_window keys, the query's own included, see notebooks/11_model_families.ipynb"
     )
 
 

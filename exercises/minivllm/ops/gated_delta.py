@@ -36,6 +36,8 @@ state, in the layer's *spec pools* ([slots, k, ...], ``Context.spec_state_counts
 many per sequence), and the engine copies the right one into the slot once it knows how
 many drafts were accepted (``minivllm.engine.state_pool.keep_accepted_states``).
 """
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -71,10 +73,27 @@ def gated_delta_step(
     g (log decay), beta: [N, H]. Returns (out [N, H, dv], new state [N, H, dk, dv]).
     """
     raise NotImplementedError(
-        "ch13: gated_delta_step: decay state by exp(g); kv = S^T k (sum over dk of state * k[..., "
-        "None]); delta = beta * (v - kv); state += outer(k, delta); out = S^T q with the new "
-        "state; return (out, state), see notebooks/13_hybrid_attention.ipynb"
+        "ch13: gated_delta_step: one token of the gated delta rule, per head. The state S, [dk, "
+        "dv], maps keys to values. First it decays by the factor exp(g). Then the delta rule "
+        "corrects what S predicts for k: the prediction is S transposed times k, the error is v "
+        "minus the prediction, scaled by the learning rate beta, and S gains the outer product of "
+        "k and the scaled error. The output reads the updated state with q (S transposed times q). "
+        "Return the output and the new state. Pitfall: predicting before the decay, or reading "
+        "before the update, see notebooks/13_hybrid_attention.ipynb"
     )
+
+
+def _recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The gated delta rule token by token over one sequence, from ``state`` (float32):
+    yields (out_t, the state after token t) for each token t. Arguments as
+    recurrent_gated_delta_rule."""
+    state = state.float()
+    for t in range(q.shape[0]):
+        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
+        state = s[0]
+        yield o[0], state
 
 
 def recurrent_gated_delta_rule(
@@ -84,9 +103,8 @@ def recurrent_gated_delta_rule(
     v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (out [T, H, dv], final state)."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     state = state.float()
-    for t in range(q.shape[0]):
-        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
-        out[t], state = o[0], s[0]
+    for t, (o, state) in enumerate(_recurrence(q, k, v, g, beta, state)):
+        out[t] = o
     return out, state
 
 
@@ -97,10 +115,8 @@ def gated_delta_states(
     keeps for the engine to roll back to. Arguments as recurrent_gated_delta_rule; returns
     [T, H, dk, dv] float32, entry t the state after token t."""
     states = torch.empty(q.shape[0], *state.shape, dtype=torch.float32, device=q.device)
-    state = state.float()
-    for t in range(q.shape[0]):
-        _, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
-        states[t] = state = s[0]
+    for t, (_, after) in enumerate(_recurrence(q, k, v, g, beta, state)):
+        states[t] = after
     return states
 
 
@@ -130,12 +146,17 @@ def gated_delta_chunk(
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
     raise NotImplementedError(
-        "ch13: gated_delta_chunk: gamma = cumsum(g); decay[i, j] = exp(gamma_i - gamma_j) for j <= "
-        "i, 0 above the diagonal (mask before exp); A = strictly lower part of beta_i (k_i . k_j) "
-        "decay[i, j]; solve (I + A) U = beta v - beta exp(gamma) k S for U "
-        "(torch.linalg.solve_triangular, lower, unitriangular); out = exp(gamma) q S + ((q k^T) * "
-        "decay) U; new state = exp(gamma_C) S + (k exp(gamma_C - gamma))^T U; return (out as [C, "
-        "H, dv], new state), see notebooks/13_hybrid_attention.ipynb"
+        "ch13: gated_delta_chunk: the same recurrence over a chunk of C tokens at once, equal up "
+        "to rounding to C single steps. With gamma the running sum of g over the chunk, the decay "
+        "from token j to token i (j at or before i) is exp(gamma_i - gamma_j), and zero above the "
+        "diagonal: mask in log space, then exponentiate (the other order overflows). The "
+        "corrections U solve a unit lower-triangular system (I + A) U = beta v - beta exp(gamma) k "
+        "S, where A is the strictly lower part of beta_i (k_i . k_j) times the decay: use a "
+        "triangular solver, not an inverse. The output is the decayed state read by q, exp(gamma) "
+        "q S, plus the chunk's own part, (q k^T times the decay) U. The new state is S decayed "
+        "over the whole chunk plus the keys, each decayed from its position to the chunk's end, "
+        "transposed, times U. Pitfall: out goes back as [C, H, dv], see "
+        "notebooks/13_hybrid_attention.ipynb"
     )
 
 
@@ -163,10 +184,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     the last K - 1 inputs, some of them still the old state's when T < K - 1).
     """
     raise NotImplementedError(
-        "ch13: causal_conv1d: window = cat(conv_state, x transposed to [D, T]) along time; out[:, "
-        "t] = sum_j weight[:, j] * window[:, t + j] (or F.conv1d with groups=D); new state = the "
-        "last K - 1 columns of window; return (out as [T, D], new state), see "
-        "notebooks/13_hybrid_attention.ipynb"
+        "ch13: causal_conv1d: a depthwise causal convolution over time, D channels with K taps "
+        "each, carried from call to call by a state holding the last K - 1 inputs. Join the state "
+        "and the new inputs along time (time as the last dimension), so that output t sees exactly "
+        "the K inputs ending at its own; every channel is convolved with its own taps only (one "
+        "group per channel). Return the T outputs as [T, D] and the new state, the last K - 1 "
+        "columns of the joined window. Pitfall: without the state each call starts from zeros, "
+        "wrong for a decode step, see notebooks/13_hybrid_attention.ipynb"
     )
 
 

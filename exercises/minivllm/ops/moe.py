@@ -130,13 +130,14 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_size: int) -
     bound = num_assignments + min(num_experts, num_assignments) * (block_size - 1)
     capacity = (bound + block_size - 1) // block_size * block_size
     raise NotImplementedError(
-        "ch12: group_by_expert: counts = tokens per expert (zeros(num_experts).scatter_add_ of "
-        "ones at flat); padded = counts rounded up to a multiple of block_size; ends = "
-        "padded.cumsum(0), starts = ends - padded; order = torch.argsort(flat, stable=True); each "
-        "sorted assignment's rank within its expert = its position in order minus "
-        "(counts.cumsum(0) - counts)[its expert]; sorted_ids = full(capacity, num_assignments) "
-        "with sorted_ids[starts[expert] + rank] = order; block_experts = torch.searchsorted(ends, "
-        "block start rows, right=True), with values >= num_experts replaced by -1, see "
-        "notebooks/12_mixture_of_experts.ipynb"
+        "ch12: group_by_expert: lay the token-to-expert assignments (flat: the expert of each one) "
+        "out expert by expert, each expert's run padded to a multiple of block_size, so that every "
+        "block of block_size rows belongs to one expert. Count the assignments per expert; each "
+        "padded run starts where the previous one ends. Within a run the assignments keep their "
+        "original order (a stable sort), and an assignment's row is its run's start plus its rank "
+        "among its expert's assignments. sorted_ids gives each row the assignment it carries, and "
+        "num_assignments (one past the last) on padding rows; block_experts gives each block its "
+        "expert, and -1 to the blocks past the last run. Pitfall: an unstable sort gives a layout "
+        "that is valid but not the reference's, see notebooks/12_mixture_of_experts.ipynb"
     )
     return ExpertGroups(sorted_ids, block_experts, block_size)

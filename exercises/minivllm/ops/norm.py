@@ -18,8 +18,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     a bfloat16 mean of squares over thousands of channels loses too many bits.
     """
     raise NotImplementedError(
-        "ch01: rms_norm: y = x / sqrt(mean(x**2) + eps) * weight, statistics in float32, result in "
-        "x's dtype, see notebooks/01_weights_forward.ipynb"
+        "ch01: rms_norm: divide each row (the last dimension) by its root mean square, the square "
+        "root of the mean of its squares plus eps, then scale by weight. The statistics are "
+        "computed in float32 whatever x's dtype, and the normalised row goes back to x's dtype "
+        "before weight multiplies it (as the reference model does). Pitfalls: eps goes inside the "
+        "square root; in bfloat16 the mean of squares keeps too few digits, see "
+        "notebooks/01_weights_forward.ipynb"
     )
 
 
@@ -41,7 +45,9 @@ def fused_add_rms_norm(
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * (1 + weight), all in float32, cast back to x's dtype at the end."""
     raise NotImplementedError(
-        "ch11: gemma_rms_norm: in float32, x32 / sqrt(mean(x32**2 over the last dim) + eps) * (1 + "
-        "weight in float32), cast to x.dtype only at the end, see "
+        "ch11: gemma_rms_norm: RMSNorm as Gemma defines it: the whole computation in float32, the "
+        "weight included, and the weight stored as an offset from one, so the scale is one plus "
+        "weight. Back to x's dtype only at the very end. Pitfall: Llama's order (back to x's dtype "
+        "before the weight) gives different bfloat16 results, see "
         "notebooks/11_model_families.ipynb"
     )

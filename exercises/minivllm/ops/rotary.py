@@ -21,8 +21,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     ([tokens, rotary_dim / 2]). Channel i pairs with channel i + rotary_dim/2 (the "NeoX"
     layout that Llama, Qwen and Gemma checkpoints use)."""
     raise NotImplementedError(
-        "ch03: apply_rotary: split x into halves x1, x2; return cat(x1*cos - x2*sin, x2*cos + "
-        "x1*sin), see notebooks/03_rope.ipynb"
+        "ch03: apply_rotary: turn every pair of features by its position's angle. In this layout "
+        "(Llama's and Qwen's in transformers) feature i pairs with feature i + d/2, not with i + "
+        "1: the first and second halves of the last dimension are the two coordinates of d/2 "
+        "points in the plane, each rotated by its own angle with the usual 2-D rotation. cos and "
+        "sin hold one row per token and d/2 columns, and x has a heads dimension in between: they "
+        "must broadcast over the heads. Pitfall: pairing neighbouring features is a valid rotation "
+        "too, with other numbers, see notebooks/03_rope.ipynb"
     )
 
 

@@ -18,10 +18,12 @@ from minivllm.ops.dispatch import use_triton
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 -> [rows, vocab_size] bool: which tokens each row allows."""
     raise NotImplementedError(
-        "ch18: unpack_bitmask: shift each int32 word right by 0..31 (torch.arange(32), int32) and "
-        "keep the lowest bit (& 1): [rows, words, 32]; reshape to [rows, words * 32], keep the "
-        "first vocab_size columns, as bool (token t is bit t % 32 of word t // 32), see "
-        "notebooks/18_structured_output.ipynb"
+        "ch18: unpack_bitmask: each row of bitmask packs a vocabulary's allowed flags into int32 "
+        "words, token t as bit t % 32 of word t // 32 (bit 0 the lowest). Return a [rows, "
+        "vocab_size] boolean mask: expand every word into its 32 bits, lowest first, put the "
+        "words' bits end to end, and cut to vocab_size columns. Pitfall: int32 shifts are "
+        "arithmetic (a set sign bit copies itself rightwards), so after a shift keep only the "
+        "lowest bit, see notebooks/18_structured_output.ipynb"
     )
 
 

@@ -161,17 +161,21 @@ class AsyncLLMEngine(RequestQueues):
         self.on_dead = None
 
     @classmethod
-    def from_model(cls, model=None, **kwargs) -> "AsyncLLMEngine":
-        """Build the engine as ``LLM(model, **kwargs)`` would (the bundled model by default)."""
-        from minivllm.llm import LLM
-
-        return cls(LLM(model, **kwargs).engine)
+    def from_model(cls, model=None, **engine_args) -> "AsyncLLMEngine":
+        """Build the engine from a user's arguments, as ``LLM(model, **engine_args)`` does
+        (the bundled model by default)."""
+        return cls(LLMEngine.from_engine_args(model, **engine_args))
 
     # What the server reads of the engine, the same for an engine in another process.
 
     @property
     def config(self):
         return self.engine.config
+
+    @property
+    def default_sampling_fields(self) -> dict:
+        """What the checkpoint's generation_config.json suggests, for the fields a request leaves out."""
+        return self.engine.default_sampling_fields
 
     @property
     def max_model_len(self) -> int:
@@ -248,10 +252,12 @@ class AsyncLLMEngine(RequestQueues):
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to the queue of the request it belongs to."""
         raise NotImplementedError(
-            "ch14: route the step's outputs: put each RequestOutput on "
-            "self._queues[output.request_id] with put_nowait; skip an output whose request has no "
-            "queue any more (its caller left, and its abort is on the way), see "
-            "notebooks/14_serving.ipynb"
+            "ch14: route the step's outputs to their callers: each waiting request has an asyncio "
+            "queue in self._queues, keyed by request id; hand every output to its queue without "
+            "waiting (this runs on the event loop, which must never block). An output whose "
+            "request has no queue any more belongs to a caller that left: drop it, its abort is on "
+            "the way. Pitfall: looking the queue up so that a missing one raises stops the "
+            "dispatch for every other request, see notebooks/14_serving.ipynb"
         )
 
     def _fail_all(self, error: BaseException) -> None:
@@ -320,8 +326,10 @@ class AsyncLLMEngine(RequestQueues):
             self._queues.pop(request_id, None)
             if added and not finished:
                 raise NotImplementedError(
-                    "ch14: the caller left before the end: queue self._abort(request_id) in the "
-                    "engine thread with self._executor.submit (not awaited: this may run while the "
-                    "task is being cancelled), so the request's KV blocks come back, see "
+                    "ch14: the caller left before the end (its task is being cancelled): the "
+                    "request's KV blocks must come back, so the engine must abort it. The engine "
+                    "runs in its own thread: hand the abort (self._abort with the request id) to "
+                    "the engine's executor and do not await it: this runs while the task is being "
+                    "cancelled, and an await here would be cancelled too, see "
                     "notebooks/14_serving.ipynb"
                 )

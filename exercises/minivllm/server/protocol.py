@@ -486,10 +486,13 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
             max_tokens = 1
     try:
         raise NotImplementedError(
-            "ch14: return SamplingParams from the request: temperature, top_p, top_k, min_p (a "
-            "None field takes SamplingParams' default: 1.0, 1.0, 0, 0.0), seed, stop, "
-            "stop_token_ids, ignore_eos, min_tokens, skip_special_tokens as they are, and the "
-            "max_tokens and logprobs computed above, see notebooks/14_serving.ipynb"
+            "ch14: return the request's SamplingParams: the request's sampling fields carry over "
+            "one to one onto SamplingParams' fields of the same names (temperature, top_p, top_k, "
+            "min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens), with "
+            "max_tokens and logprobs as computed above. The OpenAI API lets a client send null for "
+            "a sampling field: a None must become SamplingParams' default (1.0, 1.0, 0 and 0.0 for "
+            "the first four), never None. Pitfall: a None passed on works until the sampler "
+            "compares it with a number, see notebooks/14_serving.ipynb"
         )
     except InvalidParameter as e:
         param = e.param

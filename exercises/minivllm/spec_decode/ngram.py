@@ -32,10 +32,11 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):  # the longest suffix first
         raise NotImplementedError(
-            "ch19: ngram_lookup (for this n): suffix = the last n tokens; find the earlier windows "
-            "of n tokens equal to it (starting at 0 .. length - n - 1, so that the suffix does not "
-            "match itself); if there is one, return the at most k tokens that follow the most "
-            "recent, starting right after it, as a list of ints; if none, fall through to the next "
+            "ch19: ngram_lookup (for this n): prompt lookup: find an earlier place where the last "
+            "n tokens occurred and propose what followed. Compare the suffix with every window of "
+            "n tokens that starts before the suffix does (the suffix must not match itself; "
+            "overlapping it is fine); of several matches take the most recent, and return at most "
+            "k tokens that follow it, as a list of ints. With no match, fall through to the next "
             "shorter n, see notebooks/19_speculative_decoding.ipynb"
         )
     return []

@@ -87,10 +87,12 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     for j in range(d):
         p, q, x = target_probs[j], draft_probs[j], int(draft_ids[j])
         raise NotImplementedError(
-            "ch19: accept_or_residual: accept draft x (append it to emitted, continue with the "
-            "next position) when uniforms[j] < min(1, p[x] / q[x]); otherwise set residual = max(p "
-            "- q, 0) elementwise (torch.clamp; unnormalised: the draw below normalises it), the "
-            "distribution the token of a rejected position is drawn from, see "
+            "ch19: accept_or_residual (draft x at position j): accept x with probability min(1, "
+            "p(x) / q(x)), against the uniform draw uniforms[j]; an accepted draft is emitted and "
+            "the loop goes on to the next position. A rejection ends the step: the token emitted "
+            "there is drawn from the residual, the positive part of p - q over the whole "
+            "vocabulary (left unnormalised: the draw below normalises it). Pitfall: q(x) may be "
+            "tiny, and the comparison needs no division, see "
             "notebooks/19_speculative_decoding.ipynb"
         )
         emitted.append(_draw(residual, p, generator))

@@ -56,10 +56,13 @@ def walk(node: TrieNode | None, data: bytes) -> TrieNode | None:
 def allowed_tokens(choice_node: TrieNode, vocab_trie: TrieNode) -> list[int]:
     """The tokens whose whole spelling continues a path of the choice trie from ``choice_node``."""
     raise NotImplementedError(
-        "ch18: allowed_tokens: walk both tries together from (choice_node, vocab_trie) with a "
-        "stack; for each byte of the vocab node's children that the choice node also has, the "
-        "vocab child's token_ids are allowed and (choice child, vocab child) is walked next; "
-        "return them sorted, see notebooks/18_structured_output.ipynb"
+        "ch18: allowed_tokens: the tokens allowed next are those whose bytes, read from the "
+        "current point of the choices (choice_node), stay on some choice's path. Walk the two "
+        "tries together, from choice_node and the root of vocab_trie: a vocabulary node's child by "
+        "a byte is worth following only if the choice node has a child by the same byte; each "
+        "vocabulary child so reached ends the spelling of its tokens, which are allowed, and the "
+        "two children are walked further. Use a stack of pairs (a recursion may run deep). Return "
+        "the token ids sorted, see notebooks/18_structured_output.ipynb"
     )
 
 

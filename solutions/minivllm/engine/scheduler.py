@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: Scheduler.schedule (ch07).
+# Reference answers for: Scheduler._schedule_running (ch07).
 # Do not edit: change minivllm/engine/scheduler.py and run scripts/make_exercises.py again.
 
 """The scheduler: which sequences run this step, and how many tokens each computes.
@@ -34,6 +34,7 @@ class ScheduledBatch:
     # Speculative decoding: of num_new_tokens[i], how many are draft tokens (computed after
     # the sequence's last known token, to be verified). Empty: none this step.
     num_drafts: list[int] = field(default_factory=list)
+    cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache at this step's admissions
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -69,8 +70,18 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        # 1. Running sequences first: decodes and unfinished chunked prefills.
+        hits_before = self.block_manager.cache_hit_tokens
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        self._admit_waiting(batch, budget)
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
+        batch.block_copies = self.block_manager.take_block_copies()
+        batch.cache_hit_tokens = self.block_manager.cache_hit_tokens - hits_before
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Running sequences first: decodes and unfinished chunked prefills. Returns the
+        budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -81,12 +92,7 @@ class Scheduler:
                 continue
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
-                # A decode with drafts: its last token and as many drafts as the budget allows,
-                # and none if their blocks do not fit (a guess is not worth a preemption).
-                seq.draft_token_ids = seq.draft_token_ids[: budget - n]
-                if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
-                    seq.draft_token_ids = []
-                n += len(seq.draft_token_ids)
+                n += self._fit_drafts(seq, n, budget)
             while not self.block_manager.can_grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -101,8 +107,20 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        # 2. Admit waiting sequences with the budget that is left (none after a preemption:
-        # memory is short, and the preempted sequence must go first).
+        return budget
+
+    def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """A decode with drafts (speculative decoding): its last token and as many drafts as
+        the budget allows, and none if their blocks do not fit (a guess is not worth a
+        preemption). Returns how many it keeps."""
+        seq.draft_token_ids = seq.draft_token_ids[: budget - n]
+        if not self.block_manager.can_grow(seq, n + len(seq.draft_token_ids)):
+            seq.draft_token_ids = []
+        return len(seq.draft_token_ids)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting sequences with the budget that is left (none after a preemption:
+        memory is short, and the preempted sequence must go first)."""
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
@@ -117,10 +135,6 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        if any(seq.draft_token_ids for seq in batch.seqs):
-            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
-        batch.block_copies = self.block_manager.take_block_copies()
-        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

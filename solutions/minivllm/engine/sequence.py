@@ -84,6 +84,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def finish(self, reason: str) -> None:
+        """Mark it finished (its blocks are the scheduler's to give back: Scheduler.finish)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = self.num_tokens if num_tokens is None else num_tokens
         return (n + block_size - 1) // block_size

@@ -2,36 +2,37 @@
 # Reference answers for: _online_softmax_update (ch09).
 # Do not edit: change minivllm/kernels/paged_attention.py and run scripts/make_exercises.py again.
 
-"""Attention over the paged KV cache: a decode kernel and a prefill kernel.
+"""Attention over the paged KV cache: a split-context kernel (decode, short prefill) and a prefill kernel.
+  decode (memory-bound): bytes 2 * context * kv_heads * head_dim * dtype_size, FLOPs 4 * context * heads * head_dim
+  prefill (compute-bound): FLOPs 2 * q_len * kv_len * heads * head_dim (causal); q, out, K/V per query tile (L2)
 
 Both read keys and values through block tables, token j of sequence b living at row
 j % block_size of block block_tables[b, j // block_size], and both use the online softmax
 (FlashAttention): scores are consumed tile by tile with a running max m, running sum l and
-a rescaled accumulator, so the [queries x keys] matrix never exists in memory.
+a rescaled accumulator, so the [queries x keys] matrix never exists in memory. Every tile
+is folded in by one helper, ``_online_softmax_update``, in base 2 (exp2 of the scores times
+scale * log2(e)).
 
-Decode (one query per sequence) is memory-bound: it must read every cached key and value.
-  bytes ~ 2 * context_tokens * num_kv_heads * head_dim * dtype_size (+ q and out)
-  FLOPs ~ 4 * context_tokens * num_heads * head_dim
-One program handles one (sequence, kv head, split of the context); all query heads of a
-GQA group share each loaded K/V tile. Long contexts with few sequences are split so the
-GPU has enough programs (each sequence cuts its own context into the splits, so a short one
-is spread too); a second small kernel merges the splits' partial softmaxes.
+The split-context kernel (``_decode_kernel``) serves a decode step (DECODE: one query per
+sequence, a query tile of height BLOCK_Q = 1) and a short prefill (up to BLOCK_Q queries per
+sequence, causal among themselves: a verifying step of speculative decoding), both switches
+compile-time constants, so each variant compiles to its own code. One program handles one
+(sequence, K/V head, split of the context); its rows are the sequence's queries times all
+the query heads of the GQA group, so each loaded K/V tile serves them all. Each sequence
+cuts its own cached keys into the grid's splits (so a short context is spread too); the
+step's own keys are not in the cache yet: the kernel takes them from the step's K and V and
+stores them at their slots (the KV store, fused): in a decode step (NEW_KV) the split that
+holds the newest key folds it in, in a short prefill split 0 folds them all in. With one
+split the kernel writes the output; otherwise each split writes a partial output and its
+log-sum-exp, and ``_merge_kernel`` combines them.
 
-Prefill is compute-bound for long prompts:
-  bytes ~ 2 * q_len * num_heads * head_dim * dtype_size (q in, out once)
-          + 2 * kv_len * num_kv_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M)
-          (each program, BLOCK_M queries of one KV group, reads K and V up to its causal
-          limit: about half of that in all, mostly from L2)
-  FLOPs ~ 2 * 2 * q_len * kv_len * num_heads * head_dim (halved by causality)
-One program handles BLOCK_M query positions of one sequence for all the query heads of one
-KV group (a [BLOCK_M * group, head_dim] tile, so each K/V tile it loads serves the whole
-group) and walks the keys up to its causal limit: first the tiles every query sees, without
-a mask, then the few on the diagonal, masked. Cached prefix tokens are just more keys. The
-last query tiles (the most keys) are launched first, and the block table is read once per
-cache block of a key tile, a tile ahead of the loads that need it.
-
-Both kernels fold each tile of scores into the running softmax with one helper,
-``_online_softmax_update``, in base 2 (exp2 of the scores times scale * log2(e)).
+The prefill kernel: one program handles BLOCK_M query positions of one sequence for all the
+query heads of one KV group (a [BLOCK_M * group, head_dim] tile) and walks the keys up to
+its causal limit: first the tiles every query sees, without a mask, then the few on the
+diagonal, masked. Cached prefix tokens are just more keys. The last query tiles (the most
+keys) are launched first, and the block table is read once per cache block of a key tile,
+a tile ahead of the loads that need it. Each K/V tile is read once per query tile, mostly
+from L2: 2 * kv_len * num_kv_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M) / 2 bytes.
 """
 import torch
 import triton
@@ -66,18 +67,187 @@ def _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION: tl.constexpr):
     return m_new, l, acc
 
 
+# -- the split-context kernel: decode and short prefill ------------------------------------
+
+
+@triton.jit
+def _split_key_range(seen, num_keys, window, split, BLOCK_N: tl.constexpr):
+    """This program's share of a sequence's cached keys 0 .. num_keys - 1: (first, start,
+    end), keys [start, end) in whole BLOCK_N tiles (the last split's end excepted), keys
+    before ``first`` hidden. ``seen``: how many keys the first query sees without a window
+    (its position + 1); a sliding window (window > 0) hides every key before seen - window,
+    and the splits share the visible keys only, from the tile that holds the first."""
+    first = tl.maximum(tl.where(window > 0, seen - window, 0), 0)
+    lo = first // BLOCK_N * BLOCK_N
+    # Each sequence cuts its own keys into the grid's splits: a short context in a grid
+    # sized for max_context_len (a CUDA graph's) is spread over several programs of one
+    # tile each, not walked by the first split alone.
+    partition = tl.cdiv(tl.cdiv(num_keys - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = lo + split * partition
+    end = tl.minimum(start + partition, num_keys)
+    return first, start, end
+
+
+@triton.jit
+def _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, DECODE: tl.constexpr):
+    """The program's query rows, BLOCK_Q positions (from token q_start of q, q_len of them
+    real; DECODE: one, token q_start) x the BLOCK_G heads of one KV group, position major:
+    (q [rows, HEAD_DIM], token (each row's token in q; DECODE: the scalar q_start), heads,
+    qi (each row's position among the sequence's queries), row_valid)."""
+    if DECODE:
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + g
+        token = q_start
+        qi = tl.zeros([BLOCK_G], tl.int32)  # the sequence's one query
+        row_valid = g < GROUP
+        q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP,
+                    other=0.0)
+    else:
+        r = tl.arange(0, BLOCK_Q * BLOCK_G)
+        qi = r // BLOCK_G
+        g = r % BLOCK_G
+        heads = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        token = q_start + qi
+        row_valid = (qi < q_len) & (g < GROUP)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_valid[:, None], other=0.0)
+    return q, token, heads, qi, row_valid
+
+
+@triton.jit
+def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, end, last_block,
+                        kv_head, stride_cb, stride_cs, stride_ch, window, scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, DECODE: tl.constexpr):
+    """Fold the cached keys [start, end) of one sequence and K/V head into the running
+    softmax of the query rows q (at positions q_pos), a tile of BLOCK_N keys at a time, read
+    in place through the block table (bt_ptr). Returns the new (m, l, acc)."""
+    d = tl.arange(0, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = (n < end) & (n >= first)
+        # One block id per key (read once per block instead, the tile's gather loses its
+        # layout). Past the last block the ids are clamped to it: those rows are masked,
+        # never read.
+        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
+                             False)
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if DECODE:
+            visible = valid[None, :]  # one query: ``first`` already starts its window
+        else:
+            # Each query's window starts at its own position.
+            visible = valid[None, :] & (q_pos[:, None] >= 0)
+            if window > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
+    """Element offsets (int64) of cache slot(s) ``slot`` of one K/V head (head_off)."""
+    return (slot // BLOCK_SIZE).to(tl.int64) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head_off
+
+
+@triton.jit
+def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b, kv_head, split,
+                       newest, start, end, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt,
+                       stride_vnh, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A decode step's own key and value (position ``newest``, not in the cache yet): the
+    program whose keys [start, end) hold it folds it into the running softmax from
+    registers, and split 0 stores it at its slot (-1: a padding row, nothing to store).
+    Returns the new (m, l, acc)."""
+    d = tl.arange(0, HEAD_DIM)
+    k_new = tl.load(k_new_ptr + b * stride_knt + kv_head * stride_knh + d)  # [HEAD_DIM]
+    v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d)
+    if (start <= newest) & (newest < end):
+        # One key: a row sum rather than a dot (tensor-core tiles are at least 16 keys wide).
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s_new - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+        m = m_new
+    slot = tl.load(slot_ptr + b)
+    if (split == 0) & (slot >= 0):
+        row = _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE)
+        tl.store(k_cache_ptr + row + d, k_new.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + row + d, v_new.to(v_cache_ptr.dtype.element_ty))
+    return m, l, acc
+
+
+@triton.jit
+def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, q_len,
+                      kv_head, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                      window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_QK: tl.constexpr, PRECISION: tl.constexpr):
+    """A short prefill's own keys and values (tokens q_start .. q_start + q_len - 1 of the
+    step, not in the cache yet), for split 0: folded into the running softmax of the query
+    rows (each at position qi among them: causal), and stored at their slots (-1: nothing to
+    store). No program reads those slots, so nothing waits for the store. Returns the new
+    (m, l, acc)."""
+    d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, BLOCK_QK)
+    j_valid = j < q_len
+    k_new = tl.load(k_new_ptr + (q_start + j)[:, None] * stride_knt + kv_head * stride_knh + d[None, :],
+                    mask=j_valid[:, None], other=0.0)  # [BLOCK_QK, HEAD_DIM]
+    v_new = tl.load(v_new_ptr + (q_start + j)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
+                    mask=j_valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k_new), input_precision=PRECISION)  # [rows, BLOCK_QK]
+    visible = j_valid[None, :] & (j[None, :] <= qi[:, None])
+    if window > 0:
+        visible = visible & (j[None, :] > qi[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m, l, acc = _online_softmax_update(m, l, acc, s, v_new, qk_scale, PRECISION)
+    slot = tl.load(slot_ptr + q_start + j, mask=j_valid, other=-1)
+    keep = slot >= 0
+    dst = _cache_rows(tl.where(keep, slot, 0), head_off, stride_cb, stride_cs, BLOCK_SIZE)
+    tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty), mask=keep[:, None])
+    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new.to(v_cache_ptr.dtype.element_ty), mask=keep[:, None])
+    return m, l, acc
+
+
+@triton.jit
+def _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row_valid, stride_pt, stride_ph,
+                 stride_ps, stride_lt, stride_lh, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+    """The epilogue: normalise the rows' running softmax (a row with no keys gives zeros)
+    and store it, as the output itself in its dtype (DIRECT: one split, no merge to launch)
+    or as this split's float32 partial output and log-sum-exp, for ``_merge_kernel``."""
+    d = tl.arange(0, HEAD_DIM)
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    base = token * stride_pt + heads * stride_ph + split * stride_ps
+    if DIRECT:
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
+        # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
+        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
+        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + token * stride_lt + heads * stride_lh + split, lse, mask=row_valid)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr,  # [num_seqs, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]: one query per sequence (DECODE), or a few (cu_seqlens)
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
-    context_lens_ptr,  # [num_seqs] int32
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32; with DIRECT, the output
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32 (not read with DIRECT)
-    k_new_ptr,  # [num_seqs, num_kv_heads, head_dim]: the step's own keys (read with NEW_KV)
-    v_new_ptr,  # [num_seqs, num_kv_heads, head_dim]: its values, likewise
-    slot_ptr,  # [num_seqs]: where they go in the cache, -1 for a padding row (NEW_KV)
+    context_lens_ptr,  # [num_seqs] int32: keys per sequence after this step, its own included
+    cu_seqlens_ptr,  # [num_seqs + 1] int32: where each sequence's queries start in q (not read with DECODE)
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] float32; with DIRECT, the output
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] float32 (not read with DIRECT)
+    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the step's own keys (read with NEW_KV)
+    v_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: its values, likewise
+    slot_ptr,  # [num_tokens]: where they go in the cache, -1 for a padding row (NEW_KV)
     scale,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -87,85 +257,61 @@ def _decode_kernel(
     window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DIRECT: tl.constexpr, NEW_KV: tl.constexpr,
+    DIRECT: tl.constexpr, NEW_KV: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_QK: tl.constexpr = 16,
 ):
     wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + b)
-    # A sliding window (window > 0) hides every key before context_len - window: the splits
-    # share the visible keys only, from the tile that holds the first (masked below).
-    first = tl.maximum(tl.where(window > 0, context_len - window, 0), 0)
-    lo = first // BLOCK_N * BLOCK_N
-    # Each sequence cuts its own keys into the grid's splits, in whole tiles: a short
-    # context in a grid sized for max_context_len (a CUDA graph's) is spread over several
-    # programs of one tile each, not walked by the first split alone.
-    partition = tl.cdiv(tl.cdiv(context_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    start = lo + split * partition
-    end = tl.minimum(start + partition, context_len)
-
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
-
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    bt_ptr = block_tables_ptr + b * stride_bt
-    last_block = tl.maximum(context_len - 1, 0) // BLOCK_SIZE
-    # With NEW_KV the step's own key and value (position context_len - 1) are not in the
-    # cache yet: this kernel stores them (the decode step's KV store, fused) and takes them
-    # from registers, so no program reads that row from the cache.
-    newest = context_len - 1
-    cache_end = tl.minimum(end, newest) if NEW_KV else end
-    for n0 in range(start, cache_end, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < cache_end) & (n >= first)
-        # One block id per key (read once per block instead, the tile's gather loses its
-        # layout: 3-10x slower in the sweep). Past the last block the ids are clamped to it:
-        # those rows are masked, never read.
-        row = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
-                            BLOCK_SIZE, BLOCK_N, False)
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
-
-    if NEW_KV:
-        k_new = tl.load(k_new_ptr + b * stride_knt + kv_head * stride_knh + d)  # [HEAD_DIM]
-        v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d)
-        if (start <= newest) & (newest < end):
-            # The program whose keys end with the newest folds it in: one key, so a row sum
-            # rather than a dot (tensor-core tiles are at least 16 keys wide).
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * (scale * LOG2E)
-            m_new = tl.maximum(m, s_new)
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s_new - m_new)
-            l = l * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-            m = m_new
-        slot = tl.load(slot_ptr + b)
-        if (split == 0) & (slot >= 0):
-            row = (slot // BLOCK_SIZE).to(tl.int64) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            tl.store(k_cache_ptr + row + d, k_new.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + row + d, v_new.to(v_cache_ptr.dtype.element_ty))
-
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    mask = g < GROUP
-    base = b * stride_pt + heads * stride_ph + split * stride_ps
-    if DIRECT:
-        # One split: this is the answer already, in the output's dtype; no merge to launch.
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty), mask=mask[:, None])
+    if DECODE:
+        # Decode: sequence b's one query is row b of q, at position num_keys - 1, the newest
+        # key. With NEW_KV that key and its value are not in the cache yet: the program whose
+        # split holds it takes them from registers, so no program reads that row.
+        q_start = b
+        q_len = 1
+        num_keys = tl.load(context_lens_ptr + b)
+        first, start, end = _split_key_range(num_keys, num_keys, window, split, BLOCK_N)
     else:
-        # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
-        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=mask[:, None])
-        tl.store(part_lse_ptr + b * stride_lt + heads * stride_lh + split, lse, mask=mask)
+        # A short prefill: sequence b's q_len queries (cu_seqlens) follow its cached keys,
+        # which every query sees (a sliding window aside): the splits share those, from the
+        # tile that holds the first key the first query's window shows. Split 0 takes the
+        # step's own keys below (NEW_KV always).
+        q_start = tl.load(cu_seqlens_ptr + b)
+        q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+        if q_len == 0:
+            return  # a padding sequence (a CUDA graph's): no queries, no keys
+        num_keys = tl.load(context_lens_ptr + b) - q_len  # those cached before this step
+        first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
+    q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
+                                                 GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
+    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+    bt_ptr = block_tables_ptr + b * stride_bt
+    last_block = tl.maximum(num_keys - 1, 0) // BLOCK_SIZE
+    # The first query's position: a decode step's newest key, a short prefill's first own key.
+    q_pos0 = num_keys - 1 if DECODE else num_keys
+    cache_end = tl.minimum(end, q_pos0) if DECODE and NEW_KV else end
+    m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
+                                    cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window, scale,
+                                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
+    head_off = kv_head * stride_ch
+    qk_scale = scale * LOG2E
+    if DECODE:
+        if NEW_KV:
+            m, l, acc = _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                                           b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs,
+                                           stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale,
+                                           HEAD_DIM, BLOCK_SIZE)
+    else:
+        if split == 0:
+            m, l, acc = _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                                          q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_knt,
+                                          stride_knh, stride_vnt, stride_vnh, window, qk_scale,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_QK, PRECISION)
+    _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row_valid, stride_pt, stride_ph,
+                 stride_ps, stride_lt, stride_lh, HEAD_DIM, DIRECT)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -201,16 +347,10 @@ def sm_count(x: torch.Tensor) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """How many programs share each sequence's keys: enough for about twelve programs per
-    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``.
-
-    The contexts of a batch differ in length, and with one program per (sequence, K/V head)
-    the GPU ends up waiting for the longest. On an H200, contexts of 100-2,048 tokens: at
-    batch 64 one split reads the cache at 80% of the copy bandwidth, two or three at 82-85%;
-    at batch 128, 92 and 94% (two); at batch 256 one split is best (100%: programs enough to
-    balance), and the kernel then writes the output itself. At batch 64 and four splits the
-    partial outputs cost under 1% of the bytes of the keys. At batch 8 this gives 16 splits
-    where 8 were best (41% against 48%).
-    (``python scripts/tune_attention.py --decode-only --decode-sweep --decode-splits``.)"""
+    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``. The
+    contexts of a batch differ in length, and with one program per (sequence, K/V head) the
+    GPU ends up waiting for the longest. (From scripts/tune_attention.py's decode sweep;
+    history in benchmarks/attention_tuning.md.)"""
     want = triton.cdiv(12 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
@@ -218,13 +358,30 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 def decode_config(head_dim: int, dtype_size: int = 2) -> dict:
     """Tile shape of the decode kernel: BLOCK_N keys per step (a K/V tile of [BLOCK_N,
     head_dim] is at most 32 KB: 128 keys for bf16 heads of 128), and the launch's warps and
-    pipeline stages. From scripts/tune_attention.py's decode sweep on an H200: 128 keys read
-    the cache at 92-100% of the copy bandwidth at batch 128-256 (contexts of 100-2,048
-    tokens), against 84-96% for 64 keys; ``minivllm bench kernels`` measures the result.
-    Heads wider than 128 (Gemma 3's, Qwen3.5's 256) keep the 32-key tiles they were tested
-    with: the sweep has not measured them."""
+    pipeline stages. Heads wider than 128 (Gemma 3's, Qwen3.5's 256) keep the 32-key tiles
+    they were tested with. (Tiles from scripts/tune_attention.py's decode sweep; history in
+    benchmarks/attention_tuning.md.)"""
     block_n = min(128, 32768 // (head_dim * dtype_size)) if head_dim <= 128 else 32
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Every launcher's shape rule: whole KV groups, and a power-of-two head_dim (the kernels'
+    tl.arange over it)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+
+
+def _check_step_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, rows: str, shape: tuple) -> None:
+    """The step's own keys and values as the split-context kernel reads them: ``shape``
+    ([rows, num_kv_heads, head_dim]) with contiguous head_dim, and one slot per row."""
+    if (k.shape != shape or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
+            or slot_mapping.shape != shape[:1]):
+        raise ValueError(f"k and v must be [{rows}, num_kv_heads, head_dim] = {shape} "
+                         f"with contiguous head_dim, slot_mapping [{rows}]; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
 
 
 def paged_decode_attention(
@@ -257,8 +414,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     if num_seqs and max_context_len < 1:
         # Checked on the host: the number of splits is sized from it.
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
@@ -271,29 +427,35 @@ def paged_decode_attention(
     new_kv = k is not None
     if new_kv != (v is not None) or new_kv != (slot_mapping is not None):
         raise ValueError("give k, v and slot_mapping together, or none of them")
-    if new_kv and (k.shape != (num_seqs, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1
-                   or v.stride(-1) != 1 or slot_mapping.shape != (num_seqs,)):
-        raise ValueError(f"k and v must be [num_seqs, num_kv_heads, head_dim] = {(num_seqs, num_kv_heads, head_dim)} "
-                         f"with contiguous head_dim, slot_mapping [num_seqs]; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    if new_kv:
+        _check_step_kv(k, v, slot_mapping, "num_seqs", (num_seqs, num_kv_heads, head_dim))
     config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    # One split (a large batch): the kernel writes the output itself. Otherwise each split
-    # writes its partial output and log-sum-exp, and the merge combines them.
-    direct = num_splits == 1
-    part_out, part_lse = split_buffers(out, num_splits)
     k_new, v_new, slots = (k, v, slot_mapping) if new_kv else (q, q, context_lens)  # unread stand-ins
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, k_new, v_new, slots, scale,
+    return _split_context_attention(
+        (num_seqs, num_kv_heads, num_splits), q, k_cache, v_cache, block_tables, context_lens, context_lens,
+        k_new, v_new, slots, out, scale, sliding_window, config,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NEW_KV=new_kv, DECODE=True)
+
+
+def _split_context_attention(grid, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, k, v, slots, out,
+                             scale, sliding_window, config, **tile) -> torch.Tensor:
+    """Launch ``_decode_kernel`` on ``grid`` (num_seqs, num_kv_heads, num_splits) and merge
+    its splits into ``out``: with one split (a large batch) the kernel writes the output
+    itself; otherwise each split writes its partial output and log-sum-exp, and the merge
+    combines them. ``tile``: the kernel's variant (DECODE, NEW_KV) and query tile (BLOCK_G,
+    BLOCK_Q, BLOCK_QK)."""
+    part_out, part_lse = split_buffers(out, grid[2])
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, part_out, part_lse, k, v, slots, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sliding_window or 0,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), DIRECT=direct, NEW_KV=new_kv,
-        **pdl_options(q), **config,
+        GROUP=q.shape[1] // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1],
+        PRECISION=dot_precision(q.dtype), DIRECT=grid[2] == 1, **tile, **pdl_options(q), **config,
     )
     return merge_splits(part_out, part_lse, out)
 
@@ -513,12 +675,10 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     per key; ``NEW_KV``: the keys computed in this step read from the step's own K and V
     through tensor descriptors, when the caller passes them; ``FROM_SCRATCH``: the caller
     promises that no sequence has keys before its queries, and the kernel is compiled with
-    NEW_KV's loads alone, without the gathered loops, whose presence costs the compiled
-    loops speed even where they never run: 39.6% of the matmul rate against 33.8% on 8 x
-    1,000 causal tokens, 35.1 against 28.0% on 64 x 600, 51.3 against 48.5% on one prompt of
-    4,096, on the H200 at bfb628f). On the GPU from
-    scripts/tune_attention.py on an H200 (benchmarks/attention_tuning.json); in the
-    interpreter (CPU tests) small tiles, so that short test sequences span several.
+    NEW_KV's loads alone, without the gathered loops, whose presence slows the compiled
+    loops even where they never run). On the GPU, tiles from scripts/tune_attention.py
+    (history in benchmarks/attention_tuning.md); in the interpreter (CPU tests) small
+    tiles, so that short test sequences span several.
 
     A step whose every sequence computes at most SHORT_QUERY tokens (``max_seqlen_q``: a
     verifying step of speculative decoding, a short prompt) gets tiles of 16 rows, the
@@ -526,8 +686,7 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
     120 rows of padding, against every key of the context.
 
     Float32 (``itemsize`` 4, the course's parity runs) takes tiles of its own: the
-    half-precision tiles of 128 keys in three stages once needed 393 KB of shared memory at
-    head_dim 128 in float32, past the H200's 227 KB."""
+    half-precision ones would not fit in shared memory."""
     block_g = triton.next_power_of_2(group)
     switches = {"PREFETCH": True, "K_T": False, "PER_BLOCK": False, "NEW_KV": True, "FROM_SCRATCH": False}
     if not on_gpu:
@@ -538,20 +697,14 @@ def prefill_config(head_dim: int, group: int, on_gpu: bool = True, max_seqlen_q:
         return {"BLOCK_M": max(1, 16 // block_g), "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4,
                 "num_stages": 2, **switches, "NEW_KV": False}
     if head_dim <= 128 and itemsize <= 2:
-        # The sweep's choice on the H200 at 9acaab0 (benchmarks/attention_tuning.json, each
-        # config timed as ten calls in one CUDA graph): 64 query rows per tile (positions x
-        # the group's heads), 64 keys per step, 4 warps, 3 stages, the block-table lookup a
-        # tile ahead, and the step's own keys read through tensor descriptors. Against the
-        # kernel before NEW_KV (128 rows, 128 keys, 8 warps, timed the same way): 34.2% of
-        # the matmul rate on 8 x 1,000 causal tokens (26.5%), 49.6% on 8 x 512 after 3,000
-        # cached (45.8%), 28.6% on 64 x 600 (20.9%), 49.7% on one prompt of 4,096 (39.0%).
-        # PER_BLOCK reached 40.1% on 8 x 1,000 but 18.1% after a cached prefix.
+        # The sweep's choice: 64 query rows per tile (positions x the group's heads), 64 keys
+        # per step, 4 warps, 3 stages, the block-table lookup a tile ahead, and the step's
+        # own keys read through tensor descriptors.
         return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **switches}
     plain = {"PREFETCH": False, "K_T": False, "PER_BLOCK": False, "NEW_KV": False, "FROM_SCRATCH": False}
     if itemsize > 2:
-        # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages. At
-        # head_dim 256 and a group of 8, 16 positions x 8 heads (128 rows) took 213 KB of
-        # shared memory and over two minutes to compile; with NEW_KV, 241 KB (past 227).
+        # Float32 (parity runs, not speed): 64 rows of any group, 32 keys, 2 stages, the
+        # plain loads: larger tiles, or NEW_KV's, overflow shared memory at head_dim 256.
         return {"BLOCK_M": max(1, 64 // block_g), "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **plain}
     # Wider heads (Gemma's 256) keep the shape they were measured with: 16 positions or more
     # (64 rows at a group of 2), 32 keys, 4 warps, 2 stages (a 128-row tile of 256 channels
@@ -601,8 +754,7 @@ def paged_prefill_attention(
     from there (contiguous, in bulk) instead of through the block table."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     if num_tokens and max_seqlen_q < 1:
         # The grid has cdiv(max_seqlen_q, BLOCK_M) query tiles per sequence: with 0, nothing would run.
         raise ValueError(f"max_seqlen_q must bound every sequence's query length (>= 1), got {max_seqlen_q}")
@@ -636,115 +788,6 @@ def paged_prefill_attention(
     return out
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def _short_prefill_kernel(
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables_ptr,  # [num_seqs, max_blocks]
-    context_lens_ptr,  # [num_seqs]: keys per sequence after this step, its own included
-    cu_seqlens_ptr,  # [num_seqs + 1]: where each sequence's queries start in q
-    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] float32; with DIRECT, the output
-    part_lse_ptr,  # [num_tokens, num_heads, num_splits] float32 (not read with DIRECT)
-    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the step's own keys
-    v_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: its values
-    slot_ptr,  # [num_tokens]: where they go in the cache, -1 for a padding row
-    scale,
-    stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
-    stride_bt,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    stride_knt, stride_knh, stride_vnt, stride_vnh,
-    window,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_QK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, DIRECT: tl.constexpr,
-):
-    wait_for_previous(USE_PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_ptr + b)
-    q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
-    if q_len == 0:
-        return  # a padding sequence (a CUDA graph's): no queries, no keys
-    cached = tl.load(context_lens_ptr + b) - q_len  # keys in the cache before this step
-
-    # The tile's rows: BLOCK_Q query positions x the BLOCK_G heads of one KV group (position
-    # major), as the prefill kernel lays them out: each K/V tile loaded serves all of them.
-    r = tl.arange(0, BLOCK_Q * BLOCK_G)
-    qi = r // BLOCK_G
-    g = r % BLOCK_G
-    heads = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    row_valid = (qi < q_len) & (g < GROUP)
-    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_valid[:, None], other=0.0)
-    q_pos = cached + qi
-    qk_scale = scale * LOG2E
-    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
-
-    # The cached keys: every query sees all of them (a sliding window aside), so they are
-    # cut into the grid's splits as the decode kernel cuts a context, in whole tiles, from
-    # the tile that holds the first key the first query's window shows.
-    first = tl.maximum(tl.where(window > 0, cached + 1 - window, 0), 0)
-    lo = first // BLOCK_N * BLOCK_N
-    partition = tl.cdiv(tl.cdiv(tl.maximum(cached - lo, 0), tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    start = lo + split * partition
-    end = tl.minimum(start + partition, cached)
-    bt_ptr = block_tables_ptr + b * stride_bt
-    last_block = tl.maximum(cached - 1, 0) // BLOCK_SIZE
-    for n0 in range(start, end, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < end) & (n >= first)
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
-                             BLOCK_SIZE, BLOCK_N, False)
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        visible = valid[None, :] & (q_pos[:, None] >= 0)
-        if window > 0:
-            visible = visible & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
-
-    # The step's own keys are not in the cache yet: split 0 takes them from the step's K and
-    # V (causal among the queries), and stores them at their slots, the KV store fused. No
-    # program reads those slots, so nothing waits for the store.
-    if split == 0:
-        j = tl.arange(0, BLOCK_QK)
-        j_valid = j < q_len
-        k_new = tl.load(k_new_ptr + (q_start + j)[:, None] * stride_knt + kv_head * stride_knh + d[None, :],
-                        mask=j_valid[:, None], other=0.0)  # [BLOCK_QK, HEAD_DIM]
-        v_new = tl.load(v_new_ptr + (q_start + j)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
-                        mask=j_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k_new), input_precision=PRECISION)  # [rows, BLOCK_QK]
-        visible = j_valid[None, :] & (j[None, :] <= qi[:, None])
-        if window > 0:
-            visible = visible & (j[None, :] > qi[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m, l, acc = _online_softmax_update(m, l, acc, s, v_new, qk_scale, PRECISION)
-        slot = tl.load(slot_ptr + q_start + j, mask=j_valid, other=-1)
-        keep = slot >= 0
-        safe = tl.where(keep, slot, 0)
-        dst = (safe // BLOCK_SIZE).to(tl.int64) * stride_cb + (safe % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty), mask=keep[:, None])
-        tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new.to(v_cache_ptr.dtype.element_ty), mask=keep[:, None])
-
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    base = (q_start + qi) * stride_pt + heads * stride_ph + split * stride_ps
-    if DIRECT:
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
-    else:
-        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=row_valid[:, None])
-        tl.store(part_lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse, mask=row_valid)
-
 
 def short_prefill_rows(max_seqlen_q: int, group: int) -> int:
     """Rows of the short-prefill kernel's query tile: max_seqlen_q positions (a power of two)
@@ -769,10 +812,7 @@ def short_prefill_pays(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> 
     """Is a short step's batch small enough that the short-prefill kernel beats the prefill
     kernel? The prefill kernel runs one program per (sequence, K/V head) here; while those
     fill at most a quarter of the multiprocessors, splitting each context pays for the merge.
-    On an H200 (Qwen3-0.6B shapes, 8 K/V heads, contexts of 512, three drafts, CUDA graphs),
-    a verifying step against a decode step of the same run: 1.41 against 1.55 decode steps at
-    batch 1, 1.16 against 1.18 at batch 4, but 1.21 against 1.15 at batch 8, and 1.28 against
-    1.05 at batch 16 (``scripts/bench_verify_cost.py``; benchmarks/verify_short_prefill.json)."""
+    (From scripts/bench_verify_cost.py; history in benchmarks/attention_tuning.md.)"""
     return 4 * num_seqs * num_kv_heads <= num_sms
 
 
@@ -809,8 +849,7 @@ def paged_short_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_heads % num_kv_heads or head_dim & (head_dim - 1):
-        raise ValueError(f"need num_heads % num_kv_heads == 0 and a power-of-two head_dim, got {q.shape}, {k_cache.shape}")
+    _check_heads(q, k_cache)
     rows = short_prefill_rows(max_seqlen_q, group)
     if num_tokens and not takes_short_prefill(max_seqlen_q, group, head_dim):
         raise ValueError(f"max_seqlen_q={max_seqlen_q} at a group of {group} and head_dim {head_dim} needs a tile of "
@@ -820,30 +859,15 @@ def paged_short_prefill_attention(
         raise ValueError(f"max_context_len must bound every sequence's context length (>= 1), got {max_context_len}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    if (k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1
-            or slot_mapping.shape != (num_tokens,)):
-        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim] = {(num_tokens, num_kv_heads, head_dim)} "
-                         f"with contiguous head_dim, slot_mapping [num_tokens]; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, {tuple(slot_mapping.shape)}")
+    _check_step_kv(k, v, slot_mapping, "num_tokens", (num_tokens, num_kv_heads, head_dim))
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_splits is None:
         sms = sm_count(q)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, sms)
     config = {**decode_config(head_dim, k_cache.element_size()), **(config or {})}
-    out = torch.empty_like(q)
-    direct = num_splits == 1
-    part_out, part_lse = split_buffers(out, num_splits)
     block_g = triton.next_power_of_2(group)
     block_q = rows // block_g
-    _short_prefill_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, part_out, part_lse, k, v, slot_mapping, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        sliding_window or 0,
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_QK=max(16, block_q), PRECISION=dot_precision(q.dtype), DIRECT=direct, **pdl_options(q), **config,
-    )
-    return merge_splits(part_out, part_lse, out)
+    return _split_context_attention(
+        (num_seqs, num_kv_heads, num_splits), q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+        k, v, slot_mapping, torch.empty_like(q), scale, sliding_window, config,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_QK=max(16, block_q), NEW_KV=True, DECODE=False)

@@ -89,6 +89,11 @@ class LMHead(nn.Module):
         return all_gather(logits, dim=-1)[..., : self.vocab_size]
 
 
+def lm_heads(model: nn.Module) -> list[LMHead]:
+    """Every LM head of a model (one, or none in a bare backbone), in order."""
+    return [m for m in model.modules() if isinstance(m, LMHead)]
+
+
 def last_token_states(hidden_states: torch.Tensor) -> torch.Tensor:
     """Only each sequence's last token predicts the next one: keep those rows.
     (In a pure decode step every row already is one.)"""

@@ -86,6 +86,11 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def linear_layers(model: nn.Module) -> list[Linear]:
+    """Every linear layer of a model (of every kind: packed, column- and row-parallel), in order."""
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
 @dataclass
 class Shard:
     """Rows [start, start + size) of a checkpoint tensor with ``full_rows`` rows, kept at

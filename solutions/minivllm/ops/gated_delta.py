@@ -35,6 +35,8 @@ state, in the layer's *spec pools* ([slots, k, ...], ``Context.spec_state_counts
 many per sequence), and the engine copies the right one into the slot once it knows how
 many drafts were accepted (``minivllm.engine.state_pool.keep_accepted_states``).
 """
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,19 @@ def gated_delta_step(
     return out, state
 
 
+def _recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The gated delta rule token by token over one sequence, from ``state`` (float32):
+    yields (out_t, the state after token t) for each token t. Arguments as
+    recurrent_gated_delta_rule."""
+    state = state.float()
+    for t in range(q.shape[0]):
+        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
+        state = s[0]
+        yield o[0], state
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +99,8 @@ def recurrent_gated_delta_rule(
     v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (out [T, H, dv], final state)."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     state = state.float()
-    for t in range(q.shape[0]):
-        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
-        out[t], state = o[0], s[0]
+    for t, (o, state) in enumerate(_recurrence(q, k, v, g, beta, state)):
+        out[t] = o
     return out, state
 
 
@@ -97,10 +111,8 @@ def gated_delta_states(
     keeps for the engine to roll back to. Arguments as recurrent_gated_delta_rule; returns
     [T, H, dk, dv] float32, entry t the state after token t."""
     states = torch.empty(q.shape[0], *state.shape, dtype=torch.float32, device=q.device)
-    state = state.float()
-    for t in range(q.shape[0]):
-        _, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
-        states[t] = state = s[0]
+    for t, (_, after) in enumerate(_recurrence(q, k, v, g, beta, state)):
+        states[t] = after
     return states
 
 

@@ -160,17 +160,21 @@ class AsyncLLMEngine(RequestQueues):
         self.on_dead = None
 
     @classmethod
-    def from_model(cls, model=None, **kwargs) -> "AsyncLLMEngine":
-        """Build the engine as ``LLM(model, **kwargs)`` would (the bundled model by default)."""
-        from minivllm.llm import LLM
-
-        return cls(LLM(model, **kwargs).engine)
+    def from_model(cls, model=None, **engine_args) -> "AsyncLLMEngine":
+        """Build the engine from a user's arguments, as ``LLM(model, **engine_args)`` does
+        (the bundled model by default)."""
+        return cls(LLMEngine.from_engine_args(model, **engine_args))
 
     # What the server reads of the engine, the same for an engine in another process.
 
     @property
     def config(self):
         return self.engine.config
+
+    @property
+    def default_sampling_fields(self) -> dict:
+        """What the checkpoint's generation_config.json suggests, for the fields a request leaves out."""
+        return self.engine.default_sampling_fields
 
     @property
     def max_model_len(self) -> int:
