@@ -48,10 +48,9 @@ PROMPT_LOGITS_ELEMENTS = 2**24
 class ModelRunner:
     def __init__(self, config: EngineConfig, draft_block_bytes: int = 0):
         if get_tp_world_size() != config.tensor_parallel_size:
-            raise RuntimeError(
-                f"this process belongs to a tensor-parallel group of {get_tp_world_size()}, but the "
-                f"engine asks for tensor_parallel_size={config.tensor_parallel_size}: shut the other engine down first"
-            )
+            raise RuntimeError(f"this process belongs to a tensor-parallel group of {get_tp_world_size()}, but the "
+                               f"engine asks for tensor_parallel_size={config.tensor_parallel_size}: shut the other "
+                               "engine down first")
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -59,8 +58,7 @@ class ModelRunner:
         # own beside each block of the pool, allocated by its proposer; the budget pays for both.
         self.draft_block_bytes = draft_block_bytes
         # Where construction's time goes, in seconds by phase (``minivllm bench throughput``
-        # reports it): loading the weights, sizing and allocating the KV pool (a warm-up
-        # forward pass), capturing the CUDA graphs, compiling the eager steps' kernels.
+        # reports it): the weights, the KV pool, the CUDA graphs, compiling the kernels.
         self.startup_seconds: dict[str, float] = {}
         with self._startup_phase("load_weights"):
             self.model = load_model(config.model, dtype=config.dtype, device=self.device)
@@ -79,23 +77,31 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         # Asynchronous scheduling's uploads go through pinned buffers made now, not pinned
         # memory taken per step (see _to_device).
-        self.staging = None
-        if config.async_scheduling and self.device.type == "cuda":
-            width = -(-self.max_model_len // self.block_size)
-            self.staging = PinnedStaging.for_steps(config.max_num_batched_tokens, config.max_num_seqs, width)
+        self.staging = self._pinned_staging()
         # Speculative decoding with an MTP head (chapter 19): it reads the hidden states of
         # every position the last step computed, and which sequences' positions they are.
         self.keep_hidden_states = False
         self.last_step: tuple[list, list[int], list[int]] | None = None  # (seqs, first positions, counts)
         self.last_hidden: torch.Tensor | None = None  # [tokens, hidden_size]
         self.cudagraphs = CudaGraphs(CudaGraphDispatcher())  # none: every step runs eagerly
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.capture_cudagraphs()
         if self.device.type == "cuda":
-            with self._startup_phase("compile_kernels"):
-                self.compile_kernels()
-            with self._startup_phase("warm_matmuls"):
-                self.warm_matmuls()
+            self._prepare_gpu()
+
+    def _pinned_staging(self) -> PinnedStaging | None:
+        if not (self.config.async_scheduling and self.device.type == "cuda"):
+            return None
+        width = -(-self.max_model_len // self.block_size)
+        return PinnedStaging.for_steps(self.config.max_num_batched_tokens, self.config.max_num_seqs, width)
+
+    def _prepare_gpu(self) -> None:
+        """Capture the CUDA graphs (unless enforce_eager), compile the eager steps' kernels and
+        warm the matmuls, so that a user's first steps run at speed."""
+        if not self.config.enforce_eager:
+            self.capture_cudagraphs()
+        with self._startup_phase("compile_kernels"):
+            self.compile_kernels()
+        with self._startup_phase("warm_matmuls"):
+            self.warm_matmuls()
 
     def _startup_phase(self, name: str):
         return timed_phase(self.startup_seconds, name, self.device)

@@ -14,7 +14,6 @@ the batch. On the GPU, a batch that asks for nothing but temperatures and greedy
 the trick's other form in one kernel: argmax(logits / T + Gumbel noise) (``ops.sampling``).
 """
 import logging
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -159,14 +158,16 @@ class Sampler:
             return self.sample(logits, params, generators, banned, history, bitmask)
         except NotImplementedError:
             raise  # missing code (an exercise left blank) is nobody's request
-        except Exception:
+        except Exception as e:
             if len(params) == 1:
                 raise
-            batch_error = sys.exc_info()
-        # One row's values may have broken the batch (they passed validation, so this is a
-        # bug, but a bug one request must not turn into a failure for everyone): sample each
-        # row alone, and report the rows that fail by themselves. If every row fails, no
-        # request is to blame: the batch's error is raised.
+            return self._sample_rows_alone(e, logits, params, generators, banned, history, bitmask)
+
+    def _sample_rows_alone(self, batch_error, logits, params, generators, banned, history, bitmask) -> SampledTokens:
+        """One row's values may have broken the batch (they passed validation, so this is a
+        bug, but a bug one request must not turn into a failure for everyone): sample each
+        row alone, and report the rows that fail by themselves. If every row fails, no
+        request is to blame: the batch's error is raised."""
         out, failed = SamplerOutput([], []), {}
         for row in range(len(params)):
             try:
@@ -183,7 +184,7 @@ class Sampler:
                 out.logprobs.append(None)
                 failed[row] = e
         if len(failed) == len(params):
-            raise batch_error[1]
+            raise batch_error
         for row, e in failed.items():
             logger.error("sampling failed for batch row %d alone (%s)", row, params[row], exc_info=e)
             out.errors[row] = f"sampling failed: {type(e).__name__}"
@@ -215,53 +216,62 @@ class Sampler:
         if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
             return self._draw(logits, params, generators)
         logits = logits.float()
-        device, vocab = logits.device, logits.shape[-1]
         ks = [p.logprobs for p in params]
         # Log-probabilities are reported as the model gave them, before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in ks) else None
+        logits = self._restrict(logits, params, banned, history, bitmask)
+        tokens = logits.argmax(dim=-1)
+        if not all(p.greedy for p in params):
+            tokens = self._draw_filtered(logits, tokens, params, generators)
+        logprobs = None
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
+            top = raw_logprobs.topk(max(k or 0 for k in ks), dim=-1)
+            logprobs = (chosen, rank, top.indices, top.values)
+        return SampledTokens(tokens, logprobs, ks)
+
+    @staticmethod
+    def _restrict(logits, params, banned, history, bitmask) -> torch.Tensor:
+        """Each row's own changes to its logits: the grammar's mask, penalties, biases and bad
+        words, and the ids it may not draw yet (e.g. EOS before min_tokens)."""
+        device = logits.device
         if bitmask is not None:  # first, as in vLLM: the grammar decides what may be drawn at all
             # (In place, like the bans below; masking a row twice, as the rescue path may, is
             # the same as once.)
             apply_token_bitmask(logits, bitmask.pin_memory().to(device, non_blocking=True)
                                 if device.type == "cuda" else bitmask)
         logits = process_logits(logits, params, history)  # returns logits itself when no row asks
-        if banned and any(banned):  # e.g. EOS before min_tokens is reached
+        if banned and any(banned):
             cells = [[row, token] for row, ids in enumerate(banned) for token in ids]
             where = rows_to_device(cells, torch.long, device)
             logits[where[:, 0], where[:, 1]] = float("-inf")
-        tokens = logits.argmax(dim=-1)
-        if not all(p.greedy for p in params):
-            # One copy for every per-row setting: greedy, temperature, top-k (a k past the
-            # vocabulary keeps everything, and would not fit an int64), top-p (a p that
-            # float32 rounds to 0, like 1e-50, is raised to its smallest positive value:
-            # the most likely token's mass before it is exactly 0, so it survives any p > 0)
-            # and min-p.
-            settings = rows_to_device(
-                [[float(p.greedy) for p in params], [1.0 if p.greedy else p.temperature for p in params],
-                 [min(p.top_k, vocab) for p in params], [max(p.top_p, MIN_FLOAT32) for p in params],
-                 [p.min_p for p in params]], torch.float32, device)
-            greedy, temperature, top_k, top_p, min_p = settings
-            scaled = logits / temperature.unsqueeze(-1)
-            if any(p.top_k for p in params):
-                scaled = top_k_mask(scaled, top_k.long())
-            if any(p.top_p < 1 for p in params):
-                scaled = top_p_mask(scaled, top_p)
-            if any(p.min_p > 0 for p in params):
-                scaled = min_p_mask(scaled, min_p)
-            probs = scaled.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_()
-            for row, gen in enumerate(generators):
-                # A seeded request draws its own noise from its own generator, so its
-                # tokens do not depend on its neighbours in the batch.
-                if gen is not None:
-                    noise[row].exponential_(generator=gen)
-            sampled = gumbel_max_sample(probs, noise)
-            tokens = torch.where(greedy.bool(), tokens, sampled)
-        logprobs = None
-        if raw_logprobs is not None:
-            k_max = max(k or 0 for k in ks)
-            chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
-            top = raw_logprobs.topk(k_max, dim=-1)
-            logprobs = (chosen, rank, top.indices, top.values)
-        return SampledTokens(tokens, logprobs, ks)
+        return logits
+
+    @staticmethod
+    def _draw_filtered(logits, greedy_tokens, params, generators) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p, then a draw; greedy rows keep their argmax."""
+        device, vocab = logits.device, logits.shape[-1]
+        # One copy for every per-row setting: greedy, temperature, top-k (a k past the
+        # vocabulary keeps everything, and would not fit an int64), top-p (a p that float32
+        # rounds to 0, like 1e-50, is raised to its smallest positive value: the most likely
+        # token's mass before it is exactly 0, so it survives any p > 0) and min-p.
+        greedy, temperature, top_k, top_p, min_p = rows_to_device(
+            [[float(p.greedy) for p in params], [1.0 if p.greedy else p.temperature for p in params],
+             [min(p.top_k, vocab) for p in params], [max(p.top_p, MIN_FLOAT32) for p in params],
+             [p.min_p for p in params]], torch.float32, device)
+        scaled = logits / temperature.unsqueeze(-1)
+        if any(p.top_k for p in params):
+            scaled = top_k_mask(scaled, top_k.long())
+        if any(p.top_p < 1 for p in params):
+            scaled = top_p_mask(scaled, top_p)
+        if any(p.min_p > 0 for p in params):
+            scaled = min_p_mask(scaled, min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(generators):
+            # A seeded request draws its own noise from its own generator, so its tokens do
+            # not depend on its neighbours in the batch.
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return torch.where(greedy.bool(), greedy_tokens, gumbel_max_sample(probs, noise))
