@@ -59,7 +59,7 @@ from minivllm.spec_decode.proposal import ProposalGraphs, ProposalLayout, fill_h
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
-    from minivllm.engine.sequence import Sequence
+    from minivllm.spec_decode.sequence import Sequence
 
 # The draft trained for the bundled model (scripts/train_tiny_model.py), where it is shipped.
 BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "assets" / "draft"

@@ -19,7 +19,7 @@ from minivllm.context import set_context
 from minivllm.layers.attention import Attention
 
 if TYPE_CHECKING:
-    from minivllm.engine.sequence import Sequence
+    from minivllm.spec_decode.sequence import Sequence
 
 def hand_out_drafts(tokens: list[torch.Tensor], rows: list[tuple], drafts: list[list[int]]) -> None:
     """Append each drafting round's tokens to the drafts of the rows it ran, in one copy to

@@ -53,7 +53,7 @@ from minivllm.spec_decode.draft_cache import CacheState, DraftCache, hand_out_dr
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
-    from minivllm.engine.sequence import Sequence
+    from minivllm.spec_decode.sequence import Sequence
 
 
 def mtp_num_layers(config: ModelConfig) -> int:

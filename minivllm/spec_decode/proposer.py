@@ -20,7 +20,7 @@ from minivllm.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
-    from minivllm.engine.sequence import Sequence
+    from minivllm.spec_decode.sequence import Sequence
 
 
 class Proposer(Protocol):
