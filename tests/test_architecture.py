@@ -72,10 +72,17 @@ def llm(tiny_qwen3_with_tokenizer):
 
 def test_a_feature_nobody_asked_for_runs_none_of_its_code(llm, monkeypatch):
     calls = []
+
+    def spy(name, original):
+        def hook(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+        return hook
+
     for feature in FEATURES:
         for hook in overridden_hooks(feature):
             if hook != "shutdown":
-                monkeypatch.setattr(feature, hook, lambda *a, _h=f"{feature.__name__}.{hook}", **k: calls.append(_h))
+                monkeypatch.setattr(feature, hook, spy(f"{feature.__name__}.{hook}", getattr(feature, hook)))
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.features == [] and calls == []
@@ -86,10 +93,27 @@ def test_a_feature_nobody_asked_for_runs_none_of_its_code(llm, monkeypatch):
 
 def test_the_architecture_page_names_every_hook_and_feature():
     page = (ROOT / "book" / "architecture.md").read_text()
-    table = re.findall(r"^\| `(\w+)` \|", page, flags=re.M)
+    hooks_table = page.split("The hooks, in the order the step calls them:")[1].split("\n\n")[1]
+    table = re.findall(r"^\| `(\w+)` \|", hooks_table, flags=re.M)
     assert table == hook_names(), "the page's hook table must list StepFeature's hooks in the step's order"
     for feature in FEATURES:
         assert feature.__name__ in page or feature.__module__.split(".")[-1] in page
         assert issubclass(feature, StepFeature)
     assert ":pyobject: LLMEngine.step" in page
     assert (ROOT / "book" / "images" / "step_features.png").is_file()
+
+
+def test_one_step_reads_in_under_1400_lines_and_40_per_function():
+    """The functions a plain step runs outside the model (scripts/count_step_path.py): what a
+    reader of one step has to read."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("count_step_path", ROOT / "scripts" / "count_step_path.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for async_scheduling in (False, True):
+        functions = module.step_path(async_scheduling)
+        total = sum(n for _, n in functions.values())
+        assert total <= 1400, f"one step runs {total} lines of the package outside the model"
+        long = {name: n for name, n in functions.values() if n > 40}
+        assert not long, f"functions on the step's path over 40 lines: {long}"
