@@ -78,6 +78,7 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Running sequences first: decodes and unfinished chunked prefills. Returns the
         budget left."""
+        # BEGIN SOLUTION ch07 schedule_running
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -89,7 +90,6 @@ class Scheduler:
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
                 n += self._fit_drafts(seq, n, budget)
-            # BEGIN SOLUTION ch07 make_room
             while not self.block_manager.can_grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -97,7 +97,6 @@ class Scheduler:
                 if victim is seq:
                     seq = None
                     break
-            # END SOLUTION
             if seq is None:
                 break
             self.block_manager.grow(seq, n)
@@ -106,6 +105,7 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+        # END SOLUTION
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """A decode with drafts (speculative decoding): its last token and as many drafts as
@@ -119,6 +119,7 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences with the budget that is left (none after a preemption:
         memory is short, and the preempted sequence must go first)."""
+        # BEGIN SOLUTION ch07 admit_waiting
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
@@ -133,14 +134,17 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        # END SOLUTION
 
     def _preempt(self, seq: Sequence) -> None:
+        # BEGIN SOLUTION ch07 preempt
         self.running.remove(seq)
         seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        # END SOLUTION
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Fill in: Scheduler._schedule_running (ch07).
+# Fill in: Scheduler._schedule_running (ch07), Scheduler._admit_waiting (ch07), Scheduler._preempt (ch07).
 # Grade: make grade CH=07
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -83,33 +83,19 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Running sequences first: decodes and unfinished chunked prefills. Returns the
         budget left."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.last_token_pending:
-                # Its last token (max_tokens) is still on the device, sampled by the step in
-                # flight: nothing more to compute (asynchronous scheduling, chapter 17).
-                i += 1
-                continue
-            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            if seq.draft_token_ids:
-                n += self._fit_drafts(seq, n, budget)
-            raise NotImplementedError(
-                "ch07: make room for seq: before seq grows by n tokens the pool must have blocks "
-                "for them. While it has not, preempt by recomputation: the victim is the running "
-                "sequence admitted last (the end of self.running); _preempt gives its blocks back, "
-                "and the batch records it among the preempted. The victim may be seq itself: then "
-                "seq does not run this step, and there is no more room to make for it. Invariant: "
-                "the loop ends, with room or with seq preempted, see notebooks/07_scheduler.ipynb"
-            )
-            if seq is None:
-                break
-            self.block_manager.grow(seq, n)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
-        return budget
+        raise NotImplementedError(
+            "ch07: _schedule_running: serve the running sequences in admission order while budget "
+            "(tokens) remains. Skip a sequence whose last token is still pending on the device "
+            "(chapter 17, last_token_pending). A sequence computes what it has scheduled and not "
+            "computed yet, at most the budget (a long prompt continues over several steps, chunked "
+            "prefill); a sequence with draft tokens adds what _fit_drafts keeps (chapter 19). "
+            "Before it grows, make room: while the pool cannot grow it by that many tokens, "
+            "preempt the running sequence admitted last and record it among the batch's preempted; "
+            "if the victim is the sequence itself, it does not run and the loop stops. Otherwise "
+            "grow it, add it and its token count to the batch and spend the budget. Return the "
+            "budget left. Pitfall: preempting a sequence already in the batch, see "
+            "notebooks/07_scheduler.ipynb"
+        )
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """A decode with drafts (speculative decoding): its last token and as many drafts as
@@ -123,28 +109,24 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences with the budget that is left (none after a preemption:
         memory is short, and the preempted sequence must go first)."""
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending or not self.block_manager.can_allocate(seq):
-                break  # (a preempted sequence is recomputed once its last token is on the host)
-            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
-                break  # room for its n - 1 forks too (SamplingParams.n)
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+        raise NotImplementedError(
+            "ch07: _admit_waiting: admit from the front of the queue while budget is left, nothing "
+            "was preempted this step (memory is short, and the preempted go first) and "
+            "max_num_seqs is not reached. Stop at the first sequence that cannot be admitted: one "
+            "with tokens pending on the device, one whose blocks do not fit, one whose forks "
+            "(num_forks) would pass max_num_seqs. Admitting: off the queue, allocate its blocks, "
+            "mark it running, append it to running, and schedule its uncomputed tokens (after the "
+            "cached prefix), at most the budget. Pitfall: skipping a sequence that does not fit "
+            "lets later ones overtake it forever, see notebooks/07_scheduler.ipynb"
+        )
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        seq.draft_token_ids = []
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        raise NotImplementedError(
+            "ch07: _preempt, by recomputation: the sequence leaves running, drops its draft "
+            "tokens, gives all its blocks back, becomes WAITING again, counts one more preemption, "
+            "and goes back to the front of the waiting queue, to be admitted first. Pitfall: the "
+            "back of the queue starves it, see notebooks/07_scheduler.ipynb"
+        )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: _online_softmax_update (ch09).
+# Reference answers for: _online_softmax_update (ch09), _attend_cached_keys (ch09), _store_split (ch09), _merge_kernel (ch09).
 # Do not edit: change minivllm/kernels/paged_attention.py and run scripts/make_exercises.py again.
 
 """Attention over the paged KV cache: a split-context kernel (decode, short prefill) and a prefill kernel.
