@@ -300,6 +300,16 @@ def test_ch05_blocks_to_grow_at_block_boundaries(computed, new, expected):
         f"got {got}")
 
 
+def test_ch05_a_chunk_inside_the_allocated_table_needs_no_block():
+    # A long prompt is allocated whole at admission, then computed in chunks: no chunk needs a block.
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    seq = seq_of(range(12))
+    bm.allocate(seq)
+    seq.num_computed_tokens = 4
+    assert bm.blocks_to_grow(seq, 4) == 0, "the table already holds blocks for every prompt token: none to grow"
+    assert bm.can_grow(seq, 4) and bm.num_free_blocks == 7
+
+
 def test_ch05_grow_copies_a_shared_block_before_writing_it():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent = seq_of(range(6))  # block 0 full, block 1 holds 2 tokens
