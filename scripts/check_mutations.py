@@ -4,7 +4,7 @@
 Each chapter keeps its plausible wrong answers in ``tests/course/mutations/chNN.toml``:
 
     [[mutation]]
-    region = "make_room"     # the key of one of the chapter's solution regions
+    region = "schedule_running"   # the key of one of the chapter's solution regions
     why = "preempts the oldest running sequence instead of the newest"
     old = "victim = self.running[-1]"   # occurs exactly once inside that region
     new = "victim = self.running[0]"
