@@ -127,7 +127,8 @@ def test_ch04_contiguous_cache_layout(tiny_qwen3):
                 "what the attention writes must land in the cache")
     finally:
         cache.detach()
-    assert all(layer.k_cache is None for layer in attention_layers(model)), "detach takes the caches off the layers"
+    assert all(layer.k_cache is None and layer.v_cache is None for layer in attention_layers(model)), \
+        "detach takes the keys' and the values' caches off every layer"
 
 
 def hf_greedy(hf_model, prompt, max_new_tokens, eos=None):

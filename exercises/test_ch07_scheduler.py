@@ -391,3 +391,24 @@ def test_ch07_engine_that_preempts_matches_transformers(tiny_qwen3, hf_qwen3):
     for i, e in enumerate(expected):
         assert outputs[i] == e, f"request {i}: engine {outputs[i]}\n transformers {e}"
     assert engine.block_manager.num_free_blocks == 14
+
+
+def test_ch07_finish_gives_the_blocks_back_at_once():
+    engine = FakeEngine(num_blocks=20, block_size=4)
+    a, b = engine.add(6, 5), engine.add(5, 5)
+    engine.step()
+    free_before = engine.bm.num_free_blocks
+    engine.scheduler.finish(a, "stop")
+    assert a.status == SequenceStatus.FINISHED and a.finish_reason == "stop", "finished, with its reason"
+    assert a not in engine.scheduler.running and engine.scheduler.running == [b], "it leaves running"
+    assert engine.bm.num_free_blocks == free_before + 2 and a.block_table == [], "its blocks go back at once"
+    engine.bm.check_invariants(engine.scheduler.running)
+
+
+def test_ch07_finish_a_preempted_sequence():
+    # Preempted while its last token was on the device, then finished by that token.
+    engine, a, b, c = three_full_sequences()
+    engine.scheduler._preempt(c)
+    engine.scheduler.finish(c, "length")
+    assert c not in engine.scheduler.waiting and c.status == SequenceStatus.FINISHED, \
+        "a finished sequence leaves the waiting queue too, or it would be admitted again"

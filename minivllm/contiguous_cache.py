@@ -37,8 +37,10 @@ class ContiguousKVCache:
         # END SOLUTION
 
     def detach(self) -> None:
+        # BEGIN SOLUTION ch04 detach
         for layer in self.layers:
             layer.k_cache = layer.v_cache = None
+        # END SOLUTION
 
     def nbytes(self) -> int:
         """Bytes reserved: every row's ``max_len`` slots, used or not."""

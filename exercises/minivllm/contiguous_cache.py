@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/contiguous_cache.py, generated from it by scripts/make_exercises.py.
-# Fill in: kv_cache_bytes (ch04), ContiguousKVCache.__init__ (ch04), generate (ch04).
+# Fill in: kv_cache_bytes (ch04), ContiguousKVCache.__init__ (ch04), ContiguousKVCache.detach (ch04), generate (ch04).
 # Grade: make grade CH=04
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -45,8 +45,10 @@ class ContiguousKVCache:
         )
 
     def detach(self) -> None:
-        for layer in self.layers:
-            layer.k_cache = layer.v_cache = None
+        raise NotImplementedError(
+            "ch04: detach: take the cache off every layer, keys and values, so the layers hold no "
+            "reference to it and attend without a cache again, see notebooks/04_kv_cache.ipynb"
+        )
 
     def nbytes(self) -> int:
         """Bytes reserved: every row's ``max_len`` slots, used or not."""

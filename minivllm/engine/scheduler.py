@@ -78,7 +78,6 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Running sequences first: decodes and unfinished chunked prefills. Returns the
         budget left."""
-        # BEGIN SOLUTION ch07 schedule_running
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -87,6 +86,7 @@ class Scheduler:
                 # flight: nothing more to compute (asynchronous scheduling, chapter 17).
                 i += 1
                 continue
+            # BEGIN SOLUTION ch07 schedule_running
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
                 n += self._fit_drafts(seq, n, budget)
@@ -104,8 +104,8 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
+            # END SOLUTION
         return budget
-        # END SOLUTION
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """A decode with drafts (speculative decoding): its last token and as many drafts as
@@ -119,11 +119,11 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences with the budget that is left (none after a preemption:
         memory is short, and the preempted sequence must go first)."""
-        # BEGIN SOLUTION ch07 admit_waiting
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
                 break  # (a preempted sequence is recomputed once its last token is on the host)
+            # BEGIN SOLUTION ch07 admit_waiting
             if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
                 break  # room for its n - 1 forks too (SamplingParams.n)
             self.waiting.popleft()
@@ -134,7 +134,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        # END SOLUTION
+            # END SOLUTION
 
     def _preempt(self, seq: Sequence) -> None:
         # BEGIN SOLUTION ch07 preempt
@@ -148,6 +148,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""
+        # BEGIN SOLUTION ch07 finish
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
@@ -155,6 +156,7 @@ class Scheduler:
         elif seq in self.waiting:  # preempted while its last token was still on the device
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        # END SOLUTION
 
     def abort(self, request_id: str) -> Sequence | None:
         """End every sequence of the request (one, or n with SamplingParams.n); return the

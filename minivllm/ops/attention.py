@@ -139,10 +139,10 @@ def varlen_attention_reference(
     has cached (context_lens), prefix and new tokens alike. With ``sliding_window`` each
     query sees only the last ``sliding_window`` positions up to its own.
     """
-    # BEGIN SOLUTION ch02 varlen_reference
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+    # BEGIN SOLUTION ch02 varlen_reference
     cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
     out = torch.empty_like(q)
     for i in range(len(cu_seqlens) - 1):

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Fill in: Scheduler._schedule_running (ch07), Scheduler._admit_waiting (ch07), Scheduler._preempt (ch07).
+# Fill in: Scheduler._schedule_running (ch07), Scheduler._admit_waiting (ch07), Scheduler._preempt (ch07), Scheduler.finish (ch07).
 # Grade: make grade CH=07
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -83,19 +83,27 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Running sequences first: decodes and unfinished chunked prefills. Returns the
         budget left."""
-        raise NotImplementedError(
-            "ch07: _schedule_running: serve the running sequences in admission order while budget "
-            "(tokens) remains. Skip a sequence whose last token is still pending on the device "
-            "(chapter 17, last_token_pending). A sequence computes what it has scheduled and not "
-            "computed yet, at most the budget (a long prompt continues over several steps, chunked "
-            "prefill); a sequence with draft tokens adds what _fit_drafts keeps (chapter 19). "
-            "Before it grows, make room: while the pool cannot grow it by that many tokens, "
-            "preempt the running sequence admitted last and record it among the batch's preempted; "
-            "if the victim is the sequence itself, it does not run and the loop stops. Otherwise "
-            "grow it, add it and its token count to the batch and spend the budget. Return the "
-            "budget left. Pitfall: preempting a sequence already in the batch, see "
-            "notebooks/07_scheduler.ipynb"
-        )
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.last_token_pending:
+                # Its last token (max_tokens) is still on the device, sampled by the step in
+                # flight: nothing more to compute (asynchronous scheduling, chapter 17).
+                i += 1
+                continue
+            raise NotImplementedError(
+                "ch07: _schedule_running, one running sequence (the loop over them in admission "
+                "order, while budget is left, and the skip of a sequence whose last token is still "
+                "on the device are given): it computes what it has scheduled and not computed yet, "
+                "at most the budget (a long prompt continues over several steps, chunked prefill); "
+                "with draft tokens it adds what _fit_drafts keeps (chapter 19). Before it grows, "
+                "make room: while the pool cannot grow it by that many tokens, preempt the running "
+                "sequence admitted last and record it among the batch's preempted; if the victim "
+                "is the sequence itself, it does not run and the loop stops. Otherwise grow it, "
+                "add it and its token count to the batch, spend the budget and move on. Pitfall: "
+                "preempting a sequence already in the batch, see notebooks/07_scheduler.ipynb"
+            )
+        return budget
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """A decode with drafts (speculative decoding): its last token and as many drafts as
@@ -109,16 +117,20 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences with the budget that is left (none after a preemption:
         memory is short, and the preempted sequence must go first)."""
-        raise NotImplementedError(
-            "ch07: _admit_waiting: admit from the front of the queue while budget is left, nothing "
-            "was preempted this step (memory is short, and the preempted go first) and "
-            "max_num_seqs is not reached. Stop at the first sequence that cannot be admitted: one "
-            "with tokens pending on the device, one whose blocks do not fit, one whose forks "
-            "(num_forks) would pass max_num_seqs. Admitting: off the queue, allocate its blocks, "
-            "mark it running, append it to running, and schedule its uncomputed tokens (after the "
-            "cached prefix), at most the budget. Pitfall: skipping a sequence that does not fit "
-            "lets later ones overtake it forever, see notebooks/07_scheduler.ipynb"
-        )
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending or not self.block_manager.can_allocate(seq):
+                break  # (a preempted sequence is recomputed once its last token is on the host)
+            raise NotImplementedError(
+                "ch07: _admit_waiting, the sequence at the front of the queue (the loop, and the "
+                "checks that stop it at a sequence whose blocks do not fit or whose token is "
+                "pending, are given): stop as well when it and its forks (num_forks, "
+                "SamplingParams.n) would pass max_num_seqs. Otherwise admit it: off the queue, its "
+                "blocks allocated, marked running, appended to running, and scheduled for its "
+                "uncomputed tokens (those after its cached prefix), at most the budget, which it "
+                "spends. Pitfall: the whole prompt recomputes what the cache holds, see "
+                "notebooks/07_scheduler.ipynb"
+            )
 
     def _preempt(self, seq: Sequence) -> None:
         raise NotImplementedError(
@@ -130,13 +142,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:  # preempted while its last token was still on the device
-            self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        raise NotImplementedError(
+            "ch07: finish: the sequence is FINISHED, with its reason; it leaves running, or the "
+            "waiting queue if it was preempted while its last token was still on the device; its "
+            "blocks go back at once. Pitfall: a finished sequence left in a queue is scheduled "
+            "again, see notebooks/07_scheduler.ipynb"
+        )
 
     def abort(self, request_id: str) -> Sequence | None:
         """End every sequence of the request (one, or n with SamplingParams.n); return the

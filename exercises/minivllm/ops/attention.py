@@ -138,15 +138,18 @@ def varlen_attention_reference(
     has cached (context_lens), prefix and new tokens alike. With ``sliding_window`` each
     query sees only the last ``sliding_window`` positions up to its own.
     """
+    use_cache = k_cache is not None and ctx.slot_mapping is not None
+    if use_cache:
+        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     raise NotImplementedError(
         "ch02: varlen_attention_reference: one sequence at a time. Tokens of the step arrive "
         "packed, sequence i's queries being rows cu_seqlens_q[i] to cu_seqlens_q[i + 1] (no "
         "cu_seqlens_q: one sequence, all rows). Without a cache (no k_cache, or no slot_mapping) "
-        "each sequence attends over its own keys of this step. With one, store the step's keys and "
-        "values into their slots first, then read back each sequence's first context_lens[i] keys "
+        "each sequence attends over its own keys of this step. With one (the step's keys and "
+        "values are in their slots already), read back each sequence's first context_lens[i] keys "
         "and values through its block table: cached prefix and new tokens alike, its queries being "
         "the last of them. With a sliding window, drop the keys that even the first query cannot "
         "see (positions are relative, so what is left still ends at the last query) and pass the "
-        "window on to causal_attention. Pitfall: storing after reading misses this step's own "
-        "keys, see notebooks/02_attention.ipynb"
+        "window on to causal_attention. Pitfall: reading only this step's keys forgets the cached "
+        "prefix, see notebooks/02_attention.ipynb"
     )
