@@ -162,15 +162,6 @@ def test_ch07_no_admission_after_a_preemption():
         "after a preemption memory is short and the preempted sequence goes first: nothing is admitted this step")
 
 
-def test_ch07_no_admission_while_tokens_are_pending():
-    engine = FakeEngine(num_blocks=20, block_size=4)
-    a = engine.add(3, 2)
-    a.num_pending = 1  # preempted while its last token was on the device
-    batch = engine.scheduler.schedule()
-    assert batch.seqs == [] and list(engine.scheduler.waiting) == [a], \
-        "a sequence whose token is still on the device is admitted once the token is on the host"
-
-
 def test_ch07_an_admitted_prompt_computes_after_its_cached_prefix():
     engine = FakeEngine(num_blocks=20, block_size=4, prefix_caching=True)
     first = engine.add(9, 1)
