@@ -182,15 +182,30 @@ def grade(mutation: Mutation, sources, timeout_s: float) -> Outcome:
     return Outcome(mutation, True, failed.group(1) if failed else "failed", seconds)
 
 
+def check_baseline(chapter: str, timeout_s: float) -> None:
+    """The chapter's tests pass on the reference: otherwise every mutation would look caught."""
+    env = {**os.environ, "MINIVLLM_GRADE": "solutions", "PYTHONPATH": str(ROOT)}
+    env.pop("MINIVLLM_SOLUTIONS_DIR", None)
+    command = [sys.executable, "-m", "pytest", *graded_tests(chapter), "-x", "-q", "-p", "no:cacheprovider"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        raise MutationError(f"{chapter}: the graded tests fail on the reference itself:\n{result.stdout[-3000:]}")
+
+
 def check(chapters: list[str], only: set[int] | None = None, first_per_region: bool = False,
-          timeout_s: float = TIMEOUT_S, workers: int = WORKERS, out=sys.stdout) -> dict[str, tuple[int, int]]:
-    """Grade the chosen mutations; return {chapter: (caught, total)}. Raises MutationError."""
+          timeout_s: float = TIMEOUT_S, workers: int = WORKERS, out=sys.stdout,
+          baseline: bool = True) -> dict[str, tuple[int, int]]:
+    """Grade the chosen mutations; return {chapter: (caught, total)}. Raises MutationError.
+    ``baseline``: first check that each chapter's tests pass on the unchanged reference."""
     sources = gen.scan(ROOT)
     chosen = [m for chapter in chapters for m in load(chapter) if only is None or m.index in only]
     if first_per_region:
         chosen = subset(chosen)
     for mutation in chosen:
         mutated_copy(mutation, sources)  # every mutation applies before anything runs
+    if baseline:
+        for chapter in chapters:
+            check_baseline(chapter, timeout_s)
     outcomes: list[Outcome] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         for outcome in pool.map(lambda m: grade(m, sources, timeout_s), chosen):
@@ -210,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("chapters", nargs="*", help="chapters to check (07, 7 or ch07); default: every mutation file")
     parser.add_argument("--only", help="comma-separated indices of mutations to run (within each chosen chapter)")
     parser.add_argument("--subset", action="store_true", help="only the first mutation of each region")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the check that the tests pass on the unchanged reference")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds for one mutation's grading")
     parser.add_argument("--workers", type=int, default=WORKERS, help="mutations graded at once (at most 2)")
     args = parser.parse_args(argv)
@@ -221,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     only = {int(i) for i in args.only.split(",")} if args.only else None
     start = time.monotonic()
     try:
-        figures = check(chapters, only, args.subset, args.timeout, max(1, min(args.workers, WORKERS)))
+        figures = check(chapters, only, args.subset, args.timeout, max(1, min(args.workers, WORKERS)),
+                        baseline=not args.no_baseline)
     except (MutationError, tomllib.TOMLDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
