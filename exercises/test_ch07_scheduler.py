@@ -122,14 +122,14 @@ def test_ch07_admission_in_order_up_to_max_num_seqs():
 
 def test_ch07_a_long_prompt_is_chunked_by_the_budget():
     engine = FakeEngine(num_blocks=20, block_size=4, max_num_batched_tokens=8)
-    a, b = engine.add(13, 2), engine.add(2, 2)
+    a, b = engine.add(13, 2), engine.add(6, 2)
     sizes = []
     for _ in range(3):
         batch = engine.step()
         sizes.append([(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
-    assert sizes == [[(a.seq_id, 8)], [(a.seq_id, 5), (b.seq_id, 2)], [(a.seq_id, 1), (b.seq_id, 1)]], (
-        f"a 13-token prompt under an 8-token budget: 8 tokens, then its last 5 (running sequences first) and the "
-        f"next prompt with what is left, then a decode each: {sizes}")
+    assert sizes == [[(a.seq_id, 8)], [(a.seq_id, 5), (b.seq_id, 3)], [(a.seq_id, 1), (b.seq_id, 3)]], (
+        f"a 13-token prompt under an 8-token budget: 8 tokens, then its last 5 (running sequences first) and 3 "
+        f"of the next prompt with what is left, then a decode and the prompt's last 3: {sizes}")
 
 
 def test_ch07_admission_does_not_skip_a_sequence_that_does_not_fit():
