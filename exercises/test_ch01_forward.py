@@ -11,6 +11,11 @@ relative; bfloat16 and float16 results two units in the last place of the dtype 
 and 2e-3 relative). One test then counts the low-precision outputs that differ from
 transformers' at all: RMSNorm must round where transformers rounds (the normalised row to
 the activations' dtype, then the weight), or an engine in bfloat16 drifts from it.
+
+Also graded: the loader's loop and its name mapping (exercises/minivllm/loader.py), on
+checkpoints that are sharded, carry extra, missing or misshapen tensors, or sit under a
+prefix; and the decoder layer and stack (exercises/minivllm/models/qwen3.py), layer by
+layer against transformers' hidden states.
 """
 import pytest
 import torch

@@ -9,6 +9,10 @@ packed batches of sequences, and a Qwen3 model reading its KV cache, against tra
 Tolerances, against the float64 reference: float32 1e-4 (the score sums and the softmax each
 lose a few ulps); bfloat16 5e-2 and float16 1e-2 (scores rounded to the dtype before the
 softmax move the weights by that much). A wrong mask or head mapping moves outputs by ~0.5.
+
+Also graded: the attention layer (exercises/minivllm/models/qwen3.py) and the packed-batch
+reference ``varlen_attention_reference``, over paged caches with scattered blocks, cached
+prefixes and sliding windows.
 """
 import pytest
 import torch

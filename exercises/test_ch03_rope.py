@@ -12,6 +12,9 @@ in float32 amplifies the rounding of e by ln(base) (~14 for base 1e6), so 1e-5 r
 Rotations in float32 agree to a few ulps, 1e-5 relative; in bfloat16 and float16 an
 answer may round once more than transformers, so two units in the last place (1.6e-2 and
 2e-3 relative).
+
+Also graded: Llama 3's frequency scaling, frequency by frequency against the rule in
+float64; the cos/sin cache of ``RotaryEmbedding`` for every scaling type; partial rotary.
 """
 import pytest
 import torch

@@ -6,6 +6,9 @@ random shapes and every dtype from float64 down to float8; then with what the pa
 really allocates: the contiguous cache of this chapter and the engine's paged KV pool; and
 with the published per-token sizes of real models. Sizes are integers: the answer must be
 exact, and an ``int``.
+
+Also graded: the contiguous cache's layout and views, and the generation loop of
+``generate``, token for token against transformers' greedy continuation.
 """
 import pytest
 import torch

@@ -11,6 +11,9 @@ with ``block_table[p // block_size] * block_size + p % block_size`` on batches t
 prefills, prefill chunks that start mid-sequence and decodes, over scattered block tables.
 Finally the whole engine, on 4-token blocks in a pool small enough to be reused, must
 produce exactly the greedy tokens of transformers on the same float32 weights.
+
+Also graded: ``can_allocate``, ``allocate`` with cached hits, ``blocks_to_grow`` and ``grow``
+with copy on write, and the KV store and its read-back (``store_kvcache``, ``gather_kv``).
 """
 import pytest
 import torch

@@ -7,6 +7,10 @@ what any correct chained hash must do (depend on the parent, on every token and 
 order, give the same value in every process); and then used by the block manager and the
 engine, which must share exactly the blocks of a common prefix, and still produce the
 greedy tokens of transformers on the same float32 weights.
+
+Also graded: the lookup (``BlockManager._cached_prefix``: misses, partial blocks, forged
+collisions, a fully cached prompt) and the commit (``commit_full_blocks``: chained, only what
+is computed and on the host, the first writer keeping a hash).
 """
 import os
 import subprocess

@@ -15,6 +15,9 @@ victim always frees enough. The fake engine can also add several tokens in one s
 speculative decoding does when it accepts draft tokens); then a sequence can need several
 blocks at once, which tells ``while`` from ``if`` and ``can_grow(seq, n)`` from
 ``can_grow(seq, 1)``.
+
+Graded: ``Scheduler._schedule_running`` (the preemption loop inside it), ``_admit_waiting``,
+``_preempt`` and ``finish``.
 """
 import random
 

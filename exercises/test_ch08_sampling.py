@@ -11,6 +11,9 @@ reproducible whatever else is in the batch. Your ``repetition_penalty``
 (exercises/minivllm/layers/penalties.py) is checked by hand, against a loop over random
 logits with a different penalty per row (above and below 1), and through the sampler, where
 a token seen only in the prompt must be penalised as much as one the request generated.
+
+Also graded: ``top_k_mask``, ``min_p_mask`` and ``Sampler._draw_filtered`` (each filter's
+effect on many draws, the temperature first, greedy and seeded rows, a tiny top-p).
 """
 import math
 

@@ -18,6 +18,10 @@ and merged, with scores far from zero (a softmax without its running max overflo
 next to padding rows of context length 0, and over a float16 cache; and prefill attention
 with a sliding window, where a tile of keys can hide every key from some of its queries (a
 row with nothing visible yet).
+
+Also graded: the paged key loop (``_attend_cached_keys``), the split epilogue
+(``_store_split``) and the merge (``_merge_kernel``), with sliding windows and short
+prefills over cached keys.
 """
 import contextlib
 import os
