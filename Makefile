@@ -11,7 +11,7 @@ VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minivllm-installed
 
-.PHONY: setup book test exercises grade chapter lab gpu-check clean
+.PHONY: setup book test exercises grade chapter lab gpu-check clean mutations
 
 setup: $(STAMP)
 
@@ -73,3 +73,8 @@ gpu-check:
 
 clean:
 	rm -rf _build exercises/.pytest_cache
+
+# Every plausible wrong answer of tests/course/mutations/ graded against its chapter's tests
+# (the CI test grades one per region); CH=07 for one chapter.
+mutations: setup
+	$(PY) scripts/check_mutations.py $(CHAPTER)

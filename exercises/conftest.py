@@ -5,7 +5,10 @@ these tests run, an import hook makes every such module load from that copy: whe
 of the engine does ``import minivllm.ops.norm``, it gets your ``rms_norm``. Every other
 module of ``minivllm`` comes from the package itself. With ``--solutions`` (or the
 environment variable ``MINIVLLM_GRADE=solutions``) the copies come from ``solutions/``
-instead, the reference answers.
+instead, the reference answers. The environment variable ``MINIVLLM_SOLUTIONS_DIR`` names
+another folder to take the reference copies from (laid out as ``solutions/``: ``<dir>/minivllm/...``);
+``scripts/check_mutations.py`` uses it to grade deliberately wrong answers without touching
+``solutions/``.
 
 Each chapter is graded on its own: while the tests of chapter NN run (``test_chNN_*.py``),
 the functions that belong to other chapters' exercises are swapped for the reference ones,
@@ -35,7 +38,10 @@ if not torch.cuda.is_available():
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PACKAGE = "minivllm"
-TREES = {"exercises": HERE, "solutions": ROOT / "solutions"}
+TREES = {
+    "exercises": HERE,
+    "solutions": Path(os.environ.get("MINIVLLM_SOLUTIONS_DIR") or ROOT / "solutions").resolve(),
+}
 CHAPTER_FILE = re.compile(r"^test_(ch\d\d)_")
 GRADING = pytest.StashKey[dict]()  # mode, finder, sources
 
@@ -83,7 +89,7 @@ def pytest_configure(config):
         sources = gen.scan(ROOT)
     except gen.MarkerError as e:
         raise pytest.UsageError(f"the solution markers in the package are malformed:\n{e}") from None
-    missing = [f"{tree}/{s.rel}" for s in sources for tree in TREES if not (ROOT / tree / s.rel).is_file()]
+    missing = [f"{_shown(TREES[tree])}/{s.rel}" for s in sources for tree in TREES if not (TREES[tree] / s.rel).is_file()]
     if missing:
         raise pytest.UsageError(
             "missing generated files (run python scripts/make_exercises.py): " + ", ".join(missing)
@@ -105,16 +111,21 @@ def pytest_unconfigure(config):
         sys.meta_path.remove(grading["finder"])
 
 
+def _shown(tree: Path) -> str:
+    """A tree's folder as the reader knows it: relative to the repository when inside it."""
+    return tree.relative_to(ROOT).as_posix() if tree.is_relative_to(ROOT) else str(tree)
+
+
 def _graded_line(config) -> str:
     grading = config.stash[GRADING]
-    tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
+    tree = _shown(TREES[grading["mode"]])
     who = "your copies" if grading["mode"] == "exercises" else "the reference copies"
     return f"graded: {who} in {tree}/{PACKAGE}/ (the rest of {PACKAGE} from {PACKAGE}/)"
 
 
 def pytest_report_header(config):
     grading = config.stash[GRADING]
-    tree = TREES[grading["mode"]].relative_to(ROOT).as_posix()
+    tree = _shown(TREES[grading["mode"]])
     files = ", ".join(f"{tree}/{s.rel}" for s in grading["sources"])
     return [_graded_line(config), f"graded files: {files}"]
 

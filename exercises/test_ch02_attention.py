@@ -9,6 +9,10 @@ packed batches of sequences, and a Qwen3 model reading its KV cache, against tra
 Tolerances, against the float64 reference: float32 1e-4 (the score sums and the softmax each
 lose a few ulps); bfloat16 5e-2 and float16 1e-2 (scores rounded to the dtype before the
 softmax move the weights by that much). A wrong mask or head mapping moves outputs by ~0.5.
+
+Also graded: the attention layer (exercises/minivllm/models/qwen3.py) and the packed-batch
+reference ``varlen_attention_reference``, over paged caches with scattered blocks, cached
+prefixes and sliding windows.
 """
 import pytest
 import torch
@@ -110,6 +114,82 @@ def test_ch02_packed_sequences_do_not_see_each_other():
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = reference_attention(q[start:end], k[start:end], v[start:end], 0.3)
         torch.testing.assert_close(out[start:end], expected, rtol=1e-4, atol=1e-4)
+
+
+def windowed_reference(q, k, v, scale, window):
+    """reference_attention where the query at position p sees only keys p - window + 1 .. p."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    out = torch.empty_like(q)
+    for i in range(q_len):
+        p = kv_len - q_len + i
+        lo = max(0, p - window + 1)
+        out[i : i + 1] = reference_attention(q[i : i + 1], k[lo : p + 1], v[lo : p + 1], scale)
+    return out
+
+
+def paged_step(lens_cached, lens_new, block_size=4, num_blocks=16, seed=0, window=None):
+    """A step over several sequences, each with cached tokens and new ones, their blocks
+    scattered through a paged cache. Returns (out, expected per sequence, k_cache)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 8
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, qs, ks, vs, slots, full = [], [], [], [], [], []
+    width = max(-(-(c + n) // block_size) for c, n in zip(lens_cached, lens_new))
+    for cached, new in zip(lens_cached, lens_new):
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        q, k, v = random_qkv(new, total, heads, kv_heads, dim, torch.float32, int(torch.randint(0, 99, (1,), generator=g)))
+        for t in range(cached):  # what earlier steps stored
+            b, o = table[t // block_size], t % block_size
+            k_cache[b, o], v_cache[b, o] = k[t], v[t]
+        slots += [table[t // block_size] * block_size + t % block_size for t in range(cached, total)]
+        qs.append(q); ks.append(k[cached:]); vs.append(v[cached:]); full.append((q, k, v))
+        tables.append(table + [0] * (width - len(table)))
+    cu = torch.tensor([0, *lens_new]).cumsum(0)
+    ctx = set_context(is_prefill=max(lens_new) > 1, cu_seqlens_q=cu, slot_mapping=torch.tensor(slots),
+                      context_lens=torch.tensor([c + n for c, n in zip(lens_cached, lens_new)]),
+                      block_tables=torch.tensor(tables))
+    try:
+        out = varlen_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, ctx, 0.4, window)
+    finally:
+        reset_context()
+    expected = [windowed_reference(q, k, v, 0.4, window) if window else reference_attention(q, k, v, 0.4)
+                for q, k, v in full]
+    return out, torch.cat(expected), cu
+
+
+@pytest.mark.parametrize("cached, new", [([0, 0], [5, 3]), ([6, 9, 3], [1, 1, 1]), ([4, 7], [5, 2]), ([3], [8])],
+                         ids=["prefill", "decode", "cached-prefix", "one-sequence"])
+def test_ch02_varlen_reads_the_cache_through_block_tables(cached, new):
+    out, expected, cu = paged_step(cached, new, seed=len(cached) + sum(new))
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        torch.testing.assert_close(out[start:end], expected[start:end], rtol=1e-4, atol=1e-4, msg=lambda m: (
+            f"sequence {i}: its queries attend over its cached keys and this step's own (stored first, then read "
+            f"back through its block table), the queries being the last of them: {m}"))
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+@pytest.mark.parametrize("cached, new", [([0, 0], [7, 4]), ([9, 5], [1, 1]), ([6], [5])], ids=["prefill", "decode", "chunk"])
+def test_ch02_varlen_with_a_sliding_window(cached, new, window):
+    out, expected, _ = paged_step(cached, new, seed=window, window=window)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4, msg=lambda m: (
+        f"with a window of {window}, each query sees only the last {window} positions up to its own: {m}"))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_ch02_varlen_without_a_cache_or_cumulative_lengths(window):
+    # No cu_seqlens_q: one sequence, every row; no cache: the step's own keys.
+    q, k, v = random_qkv(6, 6, 4, 1, 8, torch.float32, 5)
+    ctx = set_context(is_prefill=True)
+    try:
+        out = varlen_attention(q, k, v, None, None, ctx, 0.5, window)
+    finally:
+        reset_context()
+    expected = windowed_reference(q, k, v, 0.5, window) if window else reference_attention(q, k, v, 0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"without cu_seqlens_q every row is one sequence: {m}")
 
 
 # --- the whole model ------------------------------------------------------------------

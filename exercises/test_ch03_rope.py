@@ -12,6 +12,9 @@ in float32 amplifies the rounding of e by ln(base) (~14 for base 1e6), so 1e-5 r
 Rotations in float32 agree to a few ulps, 1e-5 relative; in bfloat16 and float16 an
 answer may round once more than transformers, so two units in the last place (1.6e-2 and
 2e-3 relative).
+
+Also graded: Llama 3's frequency scaling, frequency by frequency against the rule in
+float64; the cos/sin cache of ``RotaryEmbedding`` for every scaling type; partial rotary.
 """
 import pytest
 import torch
@@ -170,3 +173,108 @@ def test_ch03_qwen3_logits_match_transformers(tmp_path, base):
         logits = model.compute_logits(model(ids, torch.arange(200)), all_tokens=True)
         expected = hf(ids[None]).logits[0]
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+
+
+# --- Llama 3 scaling and the cos/sin cache --------------------------------------------
+
+import math  # noqa: E402
+
+from minivllm.layers.rotary import llama3_scale_inv_freq  # noqa: E402
+from minivllm.ops.rotary import rotate  # noqa: E402
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+OTHER = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+         "original_max_position_embeddings": 1024}
+
+
+def llama3_rule(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3's rule, one frequency at a time, in float64 (Meta's reference implementation)."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    out = []
+    for freq in inv_freq.double().tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(freq)
+        elif wavelen > low_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def parameters(scaling):
+    return {k: v for k, v in scaling.items() if k != "rope_type"}
+
+
+@pytest.mark.parametrize("head_dim, base, scaling", [(128, 500_000.0, LLAMA31), (64, 10_000.0, OTHER),
+                                                     (32, 10_000.0, LLAMA31)])
+def test_ch03_llama3_scaling_follows_the_rule(head_dim, base, scaling):
+    inv_freq = rope_inv_freq(head_dim, base)
+    ours = llama3_scale_inv_freq(inv_freq, **parameters(scaling))
+    expected = llama3_rule(inv_freq, **parameters(scaling))
+    kinds = {"kept": 0, "slowed": 0, "blended": 0}
+    for ours_f, freq, exp_f in zip(ours.tolist(), inv_freq.tolist(), expected.tolist()):
+        kinds["kept" if exp_f == freq else "slowed" if math.isclose(exp_f, freq / scaling["factor"]) else "blended"] += 1
+    assert ours.shape == inv_freq.shape, f"one frequency per pair: shape {tuple(ours.shape)}"
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=0, msg=lambda m: (
+        f"short wavelengths keep their frequency, long ones are slowed by factor, those in between blend "
+        f"({kinds}): {m}"))
+
+
+def expected_cache(head_dim, max_position, base, rotary_dim=None, scaling=None):
+    inv_freq = rope_inv_freq(rotary_dim or head_dim, base).double()
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "llama3":
+        inv_freq = llama3_rule(inv_freq, **parameters(scaling))
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, LLAMA31, OTHER,
+                                     {"rope_type": "linear", "factor": 4.0}, {"type": "linear", "factor": 2.0}],
+                         ids=["none", "default", "llama31", "llama3-other", "linear", "linear-old-key"])
+def test_ch03_the_cos_sin_cache(scaling):
+    head_dim, max_position, base = 32, 300, 10_000.0
+    rope = RotaryEmbedding(head_dim, max_position, base, scaling=scaling)
+    cos, sin = expected_cache(head_dim, max_position, base, scaling=scaling)
+    for name, ours, exp in (("cos_cache", rope.cos_cache, cos), ("sin_cache", rope.sin_cache, sin)):
+        assert ours.shape == (max_position, head_dim // 2), (
+            f"{name}: one row per position up to max_position, one column per rotated pair: {tuple(ours.shape)}")
+        assert ours.dtype == torch.float32, f"{name} is float32, got {ours.dtype}"
+        torch.testing.assert_close(ours.double(), exp, rtol=0, atol=2e-4, msg=lambda m: (
+            f"{name}[t, i] is the {name[:3]} of position t times pair i's (scaled) inverse frequency: {m}"))
+    assert "cos_cache" not in rope.state_dict() and "sin_cache" not in rope.state_dict(), \
+        "the caches come from the config: buffers that are not saved in the state dict"
+
+
+def test_ch03_an_unknown_scaling_is_an_error():
+    with pytest.raises(ValueError, match="yarn"):
+        RotaryEmbedding(32, 64, 10_000.0, scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def test_ch03_partial_rotary_cache_and_rotation():
+    # rotary_dim 8 of head_dim 16: the first 8 channels turn, pairs (i, i + 4); the rest pass through.
+    head_dim, rotary_dim, base = 16, 8, 10_000.0
+    rope = RotaryEmbedding(head_dim, 64, base, rotary_dim=rotary_dim)
+    cos, sin = expected_cache(head_dim, 64, base, rotary_dim=rotary_dim)
+    torch.testing.assert_close(rope.cos_cache.double(), cos, rtol=0, atol=2e-4,
+                               msg=lambda m: f"the cache covers the rotary_dim / 2 rotated pairs only: {m}")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, head_dim, generator=g)
+    positions = torch.tensor([0, 1, 9, 33, 63])
+    c, s = rope.cos_cache[positions], rope.sin_cache[positions]
+    out = rotate(x, c, s)
+    x1, x2, rest = x[..., :4], x[..., 4:8], x[..., 8:]
+    c, s = c[:, None, :], s[:, None, :]
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=lambda m: (
+        f"the first rotary_dim channels rotate (i with i + rotary_dim / 2), the others pass through after them: {m}"))
+    full = torch.randn(2, 1, rotary_dim, generator=g)
+    torch.testing.assert_close(rotate(full, rope.cos_cache[:2], rope.sin_cache[:2]),
+                               apply_rotary(full, rope.cos_cache[:2], rope.sin_cache[:2]),
+                               msg=lambda m: f"when every channel turns, rotate is apply_rotary: {m}")

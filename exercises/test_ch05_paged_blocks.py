@@ -11,6 +11,9 @@ with ``block_table[p // block_size] * block_size + p % block_size`` on batches t
 prefills, prefill chunks that start mid-sequence and decodes, over scattered block tables.
 Finally the whole engine, on 4-token blocks in a pool small enough to be reused, must
 produce exactly the greedy tokens of transformers on the same float32 weights.
+
+Also graded: ``can_allocate``, ``allocate`` with cached hits, ``blocks_to_grow`` and ``grow``
+with copy on write, and the KV store and its read-back (``store_kvcache``, ``gather_kv``).
 """
 import pytest
 import torch
@@ -219,6 +222,154 @@ def test_ch05_pool_bookkeeping_under_random_operations(ops, prefix_caching):
         bm.check_invariants(running)
         held = {b for s in running for b in s.block_table}
         assert len(held) + bm.num_free_blocks == bm.num_blocks, "a block is neither held nor free (leaked)"
+
+
+# --- allocate with cached prefix blocks, can_allocate, grow and copy on write -----------
+
+
+def test_ch05_allocate_shares_cached_prefix_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq_of(range(10))  # blocks 0, 1 full, block 2 partial
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = seq_of(list(range(8)) + [70, 71, 72])  # the same two full blocks, then its own
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2], (
+        f"the cached prefix hits come first in the table: {b.block_table}, a's blocks {a.block_table}")
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [2, 2, 1], \
+        "every hit gains an owner; the fresh block has one"
+    assert b.block_table[2] == 3, f"then fresh blocks from the front of the free list: {b.block_table}"
+    assert (b.num_cached_tokens, b.num_computed_tokens) == (8, 8), (
+        f"the hits' tokens are computed already: num_cached_tokens and num_computed_tokens count them in tokens, "
+        f"got {b.num_cached_tokens}, {b.num_computed_tokens}")
+    assert bm.cache_hit_tokens == 8, f"cache_hit_tokens adds the hit tokens: {bm.cache_hit_tokens}"
+    bm.check_invariants([a, b])
+
+
+def test_ch05_allocate_takes_a_freed_hit_off_the_free_list():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq_of(range(9))
+    bm.allocate(a)
+    compute_all(bm, a)
+    cached = a.block_table[:2]
+    bm.free(a)
+    b = seq_of(list(range(8)) + [50])
+    bm.allocate(b)
+    assert b.block_table[:2] == cached, "a freed block that still holds the prefix is a hit"
+    for block in cached:
+        assert block not in bm.free_block_ids, f"hit block {block}, free before, must leave the free list"
+        assert bm.blocks[block].ref_count == 1, "a hit nobody held gets one owner"
+    bm.check_invariants([b])
+    with pytest.raises(AssertionError):
+        bm.allocate(b)  # a sequence that holds blocks already
+
+
+@pytest.mark.parametrize("taken", [2, 3])
+def test_ch05_can_allocate_counts_hits_on_free_blocks(taken):
+    # a's two full blocks stay cached on the free list; another sequence then takes `taken`
+    # of the six blocks. b needs a's two blocks (hits, but free: they leave the free list)
+    # and two fresh ones: four free blocks are just enough, three are not.
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq_of(range(8))
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)
+    other = seq_of(range(100, 100 + 4 * taken))
+    bm.allocate(other)
+    b = seq_of(list(range(8)) + list(range(60, 68)))
+    free = bm.num_free_blocks
+    answer = bm.can_allocate(b)
+    assert answer == (free >= 4), (
+        f"{free} free blocks; b needs 2 fresh blocks and its 2 cached hits, which are free blocks and leave the "
+        f"free list too: can_allocate must say {free >= 4}, said {answer}")
+
+
+def test_ch05_can_allocate_without_room():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    assert bm.can_allocate(seq_of(range(12))), "three blocks' worth of tokens fit in three free blocks"
+    assert not bm.can_allocate(seq_of(range(13))), "thirteen tokens need a fourth block"
+    assert bm.can_allocate(seq_of(range(1))), "one token needs one block"
+
+
+@pytest.mark.parametrize("computed, new, expected", [(4, 1, 1), (3, 1, 0), (5, 3, 0), (5, 4, 1), (8, 9, 3), (0, 4, 0)])
+def test_ch05_blocks_to_grow_at_block_boundaries(computed, new, expected):
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    seq = seq_of(range(max(computed, 1)))
+    bm.allocate(seq)
+    seq.num_computed_tokens = computed
+    got = bm.blocks_to_grow(seq, new)
+    assert got == expected, (
+        f"{computed} tokens computed in {len(seq.block_table)} blocks of 4, {new} more: {expected} more blocks, "
+        f"got {got}")
+
+
+def test_ch05_a_chunk_inside_the_allocated_table_needs_no_block():
+    # A long prompt is allocated whole at admission, then computed in chunks: no chunk needs a block.
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    seq = seq_of(range(12))
+    bm.allocate(seq)
+    seq.num_computed_tokens = 4
+    assert bm.blocks_to_grow(seq, 4) == 0, "the table already holds blocks for every prompt token: none to grow"
+    assert bm.can_grow(seq, 4) and bm.num_free_blocks == 7
+
+
+def test_ch05_grow_copies_a_shared_block_before_writing_it():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = seq_of(range(6))  # block 0 full, block 1 holds 2 tokens
+    bm.allocate(parent)
+    compute_all(bm, parent)
+    child = seq_of(range(6))
+    bm.fork(parent, child)
+    shared = child.block_table[1]
+    assert bm.blocks_to_grow(child, 1) == 1, "writing into a shared partial block takes a private copy: one block"
+    child.token_ids.append(99)
+    bm.grow(child, 1)
+    assert child.block_table[0] == parent.block_table[0], "the full block stays shared"
+    assert child.block_table[1] != shared, "the child writes into a copy of its own"
+    assert bm.blocks[shared].ref_count == 1, "the shared block loses the child's reference"
+    assert bm.take_block_copies() == [(shared, child.block_table[1])], \
+        "the copy (source, destination) is recorded for the device"
+    assert len(child.block_table) == 2, "no block beyond the copy: the token fits in it"
+    bm.check_invariants([parent, child])
+    child.num_computed_tokens = 7
+    child.token_ids += [1, 2]
+    bm.grow(child, 2)  # 7 + 2 = 9 tokens: a third block, the copy not made again
+    assert len(child.block_table) == 3 and bm.take_block_copies() == [], \
+        "a block of its own is written without a copy; one more block for the ninth token"
+    bm.check_invariants([parent, child])
+
+
+# --- the KV store and the read-back ---------------------------------------------------
+
+
+def test_ch05_store_kvcache_writes_each_token_at_its_slot():
+    from minivllm.ops.attention import store_kvcache
+
+    k_cache = torch.zeros(5, 4, 2, 3)
+    v_cache = torch.zeros(5, 4, 2, 3)
+    k = torch.arange(1, 4 * 6 + 1, dtype=torch.float32).reshape(4, 2, 3)
+    v = -k
+    slots = torch.tensor([13, -1, 0, 7])  # block 3 row 1, padding, block 0 row 0, block 1 row 3
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    for token, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, row = divmod(slot, 4)
+        assert torch.equal(k_cache[block, row], k[token]) and torch.equal(v_cache[block, row], v[token]), (
+            f"token {token}'s key and value go to slot {slot}: block {block}, row {row}")
+    assert (k_cache != 0).sum() == 3 * 6, "a padding token (slot -1) is stored nowhere, and nothing else is touched"
+
+
+@pytest.mark.parametrize("length", [1, 4, 5, 11])
+def test_ch05_gather_kv_reads_through_the_block_table(length):
+    from minivllm.ops.attention import gather_kv
+
+    cache = torch.arange(6 * 4 * 2, dtype=torch.float32).reshape(6, 4, 2, 1)
+    table = torch.tensor([4, 1, 5, 0])
+    out = gather_kv(cache, table, length)
+    expected = torch.stack([cache[table[t // 4], t % 4] for t in range(length)])
+    assert out.shape == expected.shape, f"the first {length} tokens: shape {tuple(out.shape)}"
+    assert torch.equal(out, expected), f"token t is row t % 4 of block table[t // 4], in order, for t < {length}"
 
 
 # --- the slot mapping -----------------------------------------------------------------

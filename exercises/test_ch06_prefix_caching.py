@@ -7,6 +7,10 @@ what any correct chained hash must do (depend on the parent, on every token and 
 order, give the same value in every process); and then used by the block manager and the
 engine, which must share exactly the blocks of a common prefix, and still produce the
 greedy tokens of transformers on the same float32 weights.
+
+Also graded: the lookup (``BlockManager._cached_prefix``: misses, partial blocks, forged
+collisions, a fully cached prompt) and the commit (``commit_full_blocks``: chained, only what
+is computed and on the host, the first writer keeping a hash).
 """
 import os
 import subprocess
@@ -149,6 +153,142 @@ def test_ch06_identical_blocks_at_different_depths_are_different_entries():
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
     bm.check_invariants([a, b])
+
+
+# --- the lookup: _cached_prefix ----------------------------------------------------------
+
+X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+
+
+def cached_manager(*prompts, block_size=4, enable_prefix_caching=True):
+    """A block manager that has computed (and hashed) each prompt, all still held."""
+    bm = BlockManager(num_blocks=32, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    seqs = []
+    for tokens in prompts:
+        seq = seq_of(tokens)
+        bm.allocate(seq)
+        compute_all(bm, seq)
+        seqs.append(seq)
+    return bm, seqs
+
+
+def test_ch06_lookup_stops_at_the_first_miss():
+    bm, (a,) = cached_manager(X + Y + Z + [0])
+    hits = bm._cached_prefix(seq_of(X + Z + Y + [0]))
+    assert hits == a.block_table[:1], f"X hits, then Z after X is a miss and the lookup stops there: {hits}"
+    assert bm._cached_prefix(seq_of(X + Y + [7])) == a.block_table[:2], "X then Y, then a partial block: two hits"
+
+
+def test_ch06_a_partial_block_never_hits():
+    bm, (a,) = cached_manager(X + Y + [1, 2])
+    assert bm._cached_prefix(seq_of(X + [5, 6, 7])) == a.block_table[:1], \
+        "only full blocks are looked up: the three tokens after X are not a block"
+
+
+def test_ch06_when_every_token_hits_the_last_block_is_recomputed():
+    bm, (a,) = cached_manager(X + Y + [0])
+    hits = bm._cached_prefix(seq_of(X + Y))
+    assert hits == a.block_table[:1], (
+        f"a prompt made only of cached blocks leaves nothing to compute its next token from: the last hit is "
+        f"given back, got {hits}")
+
+
+def test_ch06_no_lookup_without_prefix_caching_or_with_prompt_logprobs():
+    bm, _ = cached_manager(X + Y + [0], enable_prefix_caching=False)
+    assert bm._cached_prefix(seq_of(X + Y + [0])) == [], "prefix caching off: no hits"
+    bm, _ = cached_manager(X + Y + [0])
+    wants = Sequence(X + Y + [0], SamplingParams(prompt_logprobs=1))
+    assert bm._cached_prefix(wants) == [], "a request for prompt logprobs needs every prompt token's logits: no hits"
+
+
+def test_ch06_a_hash_collision_is_not_a_hit():
+    # The table says "this hash is block b", but b holds other tokens (a collision, forged
+    # here): handing it out would give this prompt another prompt's keys.
+    bm, (a,) = cached_manager(X + Y + [0])
+    bm.blocks[a.block_table[0]].token_ids = [4, 3, 2, 1]
+    assert bm._cached_prefix(seq_of(X + Y + [0])) == [], "a cached block must hold exactly these tokens"
+    bm, (a,) = cached_manager(X + Y + [0])
+    bm.blocks[a.block_table[1]].parent_id = 31
+    hits = bm._cached_prefix(seq_of(X + Y + [0]))
+    assert hits == a.block_table[:1], f"a cached block's parent must be the block matched before it: {hits}"
+
+
+# --- the commit: commit_full_blocks -------------------------------------------------------
+
+
+def test_ch06_commit_hashes_exactly_the_full_computed_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = seq_of(X + Y + Z + [13, 14])
+    bm.allocate(seq)
+    seq.num_computed_tokens = 6  # a chunk of a prefill: block 0 full, block 1 half computed
+    bm.commit_full_blocks(seq)
+    hashes = [bm.blocks[b].hash for b in seq.block_table]
+    assert hashes[0] == block_hash(X, None) and hashes[1:] == [None] * 3, (
+        f"after 6 of 14 tokens only block 0 is full and computed: {hashes}")
+    seq.num_computed_tokens = 14
+    bm.commit_full_blocks(seq)
+    blocks = [bm.blocks[b] for b in seq.block_table]
+    expected = [block_hash(X, None)]
+    expected += [block_hash(Y, expected[0])]
+    expected += [block_hash(Z, expected[1])]
+    assert [b.hash for b in blocks] == expected + [None], (
+        "each full block's hash chains from the block before it; the partial last block has none")
+    assert [b.token_ids for b in blocks[:3]] == [X, Y, Z], "a hashed block keeps its tokens (the collision guard)"
+    assert [b.parent_id for b in blocks[:3]] == [None, seq.block_table[0], seq.block_table[1]], \
+        "a hashed block keeps its parent block's id (None for the first)"
+    assert bm.hash_to_block == {h: b for h, b in zip(expected, seq.block_table)}, \
+        "every hash is registered to its block"
+
+
+def test_ch06_commit_only_what_the_host_knows():
+    # Asynchronous scheduling: the step computed a token the host has not received yet.
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = seq_of(X + [5, 6, 7])
+    bm.allocate(seq)
+    seq.num_computed_tokens = 8  # one more than the 7 tokens the host knows
+    bm.commit_full_blocks(seq)
+    assert [bm.blocks[b].hash is not None for b in seq.block_table] == [True, False], \
+        "block 1's last token is not on the host yet: it cannot be hashed"
+
+
+def test_ch06_commit_without_prefix_caching_hashes_nothing():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    seq = seq_of(X + Y + [0])
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    assert not bm.hash_to_block and all(b.hash is None for b in bm.blocks), "prefix caching off: no hashes"
+
+
+def test_ch06_first_writer_wins():
+    # Two sequences compute the same prompt at once: both blocks get the hash, the table keeps the first.
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = seq_of(X + Y + [0]), seq_of(X + Y + [0])
+    bm.allocate(a)
+    bm.allocate(b)  # nothing hashed yet: no hits
+    compute_all(bm, a)
+    compute_all(bm, b)
+    assert bm.hash_to_block[block_hash(X, None)] == a.block_table[0], \
+        "the block registered first keeps the entry; the identical later one stays a private copy"
+    assert bm.blocks[b.block_table[1]].hash == block_hash(Y, block_hash(X, None)), "the copy is hashed all the same"
+    bm.check_invariants([a, b])
+
+
+def test_ch06_commit_step_by_step_continues_the_chain():
+    # Decoding token by token: each commit hashes the block just filled, chained to the ones before.
+    bm = BlockManager(num_blocks=16, block_size=2)
+    seq = seq_of([1, 2, 3])
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    for t in range(4, 10):
+        seq.token_ids.append(t)
+        bm.grow(seq, 1)
+        compute_all(bm, seq)
+    parent, expected = None, []
+    for i in range(len(seq.token_ids) // 2):
+        parent = block_hash(seq.token_ids[2 * i : 2 * i + 2], parent)
+        expected.append(parent)
+    got = [bm.blocks[b].hash for b in seq.block_table[: len(expected)]]
+    assert got == expected, f"the chain over blocks committed one step at a time: {got}, expected {expected}"
 
 
 # --- the whole engine -----------------------------------------------------------------

@@ -15,6 +15,9 @@ victim always frees enough. The fake engine can also add several tokens in one s
 speculative decoding does when it accepts draft tokens); then a sequence can need several
 blocks at once, which tells ``while`` from ``if`` and ``can_grow(seq, n)`` from
 ``can_grow(seq, 1)``.
+
+Graded: ``Scheduler._schedule_running`` (the preemption loop inside it), ``_admit_waiting``,
+``_preempt`` and ``finish``.
 """
 import random
 
@@ -104,6 +107,100 @@ def three_full_sequences() -> tuple[FakeEngine, Sequence, Sequence, Sequence]:
     assert second.seqs == [a, b, c] and not second.preempted
     return engine, a, b, c
 
+
+
+# --- admission, chunking and the preemption itself ------------------------------------
+
+
+def test_ch07_admission_in_order_up_to_max_num_seqs():
+    engine = FakeEngine(num_blocks=20, block_size=4, max_num_seqs=2)
+    a, b, c = engine.add(3, 2), engine.add(3, 2), engine.add(3, 2)
+    batch = engine.scheduler.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [3, 3], (
+        f"waiting sequences are admitted from the front of the queue, at most max_num_seqs running: "
+        f"{[x.seq_id for x in batch.seqs]}")
+    assert engine.scheduler.running == [a, b] and list(engine.scheduler.waiting) == [c]
+    assert a.status == SequenceStatus.RUNNING and a.block_table, "an admitted sequence is RUNNING and holds blocks"
+
+
+def test_ch07_a_long_prompt_is_chunked_by_the_budget():
+    engine = FakeEngine(num_blocks=20, block_size=4, max_num_batched_tokens=8)
+    a, b = engine.add(13, 2), engine.add(6, 2)
+    sizes = []
+    for _ in range(3):
+        batch = engine.step()
+        sizes.append([(seq.seq_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+    assert sizes == [[(a.seq_id, 8)], [(a.seq_id, 5), (b.seq_id, 3)], [(a.seq_id, 1), (b.seq_id, 3)]], (
+        f"a 13-token prompt under an 8-token budget: 8 tokens, then its last 5 (running sequences first) and 3 "
+        f"of the next prompt with what is left, then a decode and the prompt's last 3: {sizes}")
+
+
+def test_ch07_admission_does_not_skip_a_sequence_that_does_not_fit():
+    engine = FakeEngine(num_blocks=4, block_size=4)
+    a = engine.add(10, 8)  # 3 blocks
+    engine.step()
+    big, small = engine.add(8, 2), engine.add(2, 2)  # big needs 2 blocks, 1 is free; small would fit
+    batch = engine.step()
+    assert big not in batch.seqs and small not in batch.seqs, (
+        "the queue is served in order: a sequence that does not fit blocks those behind it (no overtaking)")
+    assert list(engine.scheduler.waiting) == [big, small]
+
+
+def test_ch07_admission_respects_the_forks_of_n_completions():
+    engine = FakeEngine(num_blocks=20, block_size=4, max_num_seqs=3)
+    a = engine.add(3, 2)
+    engine.step()
+    b = engine.add(3, 2)
+    b.num_forks = 2  # b and its two forks would make four running sequences
+    batch = engine.scheduler.schedule()
+    assert b not in batch.seqs and list(engine.scheduler.waiting) == [b], (
+        "a sequence that forks into n completions is admitted only with room for its forks under max_num_seqs")
+
+
+def test_ch07_no_admission_after_a_preemption():
+    engine, a, b, c = three_full_sequences()
+    d = engine.add(1, 1)
+    batch = engine.step()
+    assert batch.preempted and d not in batch.seqs, (
+        "after a preemption memory is short and the preempted sequence goes first: nothing is admitted this step")
+
+
+def test_ch07_an_admitted_prompt_computes_after_its_cached_prefix():
+    engine = FakeEngine(num_blocks=20, block_size=4, prefix_caching=True)
+    first = engine.add(9, 1)
+    engine.step()
+    again = Sequence(list(first.token_ids[:8]) + [5, 6, 7], SamplingParams(max_tokens=2))
+    engine.scheduler.add(again)
+    batch = engine.scheduler.schedule()
+    n = batch.num_new_tokens[batch.seqs.index(again)]
+    assert n == 3, f"8 of the 11 prompt tokens are cached: the step computes the other 3, got {n}"
+
+
+def test_ch07_preempt_puts_the_sequence_back_first():
+    engine, a, b, c = three_full_sequences()
+    d = engine.add(4, 1)
+    c.draft_token_ids = [1, 2]
+    engine.scheduler._preempt(c)
+    assert c not in engine.scheduler.running and engine.scheduler.waiting[0] is c, \
+        "a preempted sequence leaves running and goes to the front of the waiting queue"
+    assert list(engine.scheduler.waiting) == [c, d]
+    assert c.status == SequenceStatus.WAITING and c.num_preemptions == 1, "it is WAITING, with one more preemption"
+    assert c.block_table == [] and c.num_computed_tokens == 0, "its blocks go back: it will be recomputed"
+    assert c.draft_token_ids == [], "its draft tokens go too"
+    engine.bm.check_invariants(engine.scheduler.running)
+
+
+def test_ch07_a_sequence_whose_last_token_is_pending_is_skipped():
+    engine = FakeEngine(num_blocks=20, block_size=4)
+    a, b = engine.add(3, 1), engine.add(3, 3)
+    engine.scheduler.schedule()  # both prompts computed; each one's first token is still on the device
+    a.num_computed_tokens = b.num_computed_tokens = 3
+    a.num_pending = 1  # its one output token is still on the device: nothing more to compute
+    b.num_pending = 1
+    batch = engine.scheduler.schedule()
+    assert batch.seqs == [b] and batch.num_new_tokens == [1], (
+        "a running sequence whose pending token is its last is left out; the others still run: "
+        f"{[x.seq_id for x in batch.seqs]}")
 
 def test_ch07_preempts_the_most_recently_admitted_sequence():
     engine, a, b, c = three_full_sequences()
@@ -288,3 +385,24 @@ def test_ch07_engine_that_preempts_matches_transformers(tiny_qwen3, hf_qwen3):
     for i, e in enumerate(expected):
         assert outputs[i] == e, f"request {i}: engine {outputs[i]}\n transformers {e}"
     assert engine.block_manager.num_free_blocks == 14
+
+
+def test_ch07_finish_gives_the_blocks_back_at_once():
+    engine = FakeEngine(num_blocks=20, block_size=4)
+    a, b = engine.add(6, 5), engine.add(5, 5)
+    engine.step()
+    free_before = engine.bm.num_free_blocks
+    engine.scheduler.finish(a, "stop")
+    assert a.status == SequenceStatus.FINISHED and a.finish_reason == "stop", "finished, with its reason"
+    assert a not in engine.scheduler.running and engine.scheduler.running == [b], "it leaves running"
+    assert engine.bm.num_free_blocks == free_before + 2 and a.block_table == [], "its blocks go back at once"
+    engine.bm.check_invariants(engine.scheduler.running)
+
+
+def test_ch07_finish_a_preempted_sequence():
+    # Preempted while its last token was on the device, then finished by that token.
+    engine, a, b, c = three_full_sequences()
+    engine.scheduler._preempt(c)
+    engine.scheduler.finish(c, "length")
+    assert c not in engine.scheduler.waiting and c.status == SequenceStatus.FINISHED, \
+        "a finished sequence leaves the waiting queue too, or it would be admitted again"

@@ -11,6 +11,9 @@ reproducible whatever else is in the batch. Your ``repetition_penalty``
 (exercises/minivllm/layers/penalties.py) is checked by hand, against a loop over random
 logits with a different penalty per row (above and below 1), and through the sampler, where
 a token seen only in the prompt must be penalised as much as one the request generated.
+
+Also graded: ``top_k_mask``, ``min_p_mask`` and ``Sampler._draw_filtered`` (each filter's
+effect on many draws, the temperature first, greedy and seeded rows, a tiny top-p).
 """
 import math
 
@@ -248,3 +251,108 @@ def test_ch08_repetition_penalty_covers_the_prompt():
     rewarded = Sampler()(logits.clone(), [SamplingParams(temperature=0, repetition_penalty=0.5)], [None],
                          history=history)
     assert rewarded.token_ids == [3]
+
+
+# --- top-k and min-p ------------------------------------------------------------------
+
+from minivllm.layers.sampler import min_p_mask  # noqa: E402
+
+
+@pytest.mark.parametrize("k, expected", [(1, {0}), (2, {0, 3}), (3, {0, 3, 4}), (5, {0, 1, 2, 3, 4}),
+                                         (0, {0, 1, 2, 3, 4}), (-1, {0, 1, 2, 3, 4}), (9, {0, 1, 2, 3, 4})])
+def test_ch08_top_k_keeps_the_k_largest(k, expected):
+    logits = torch.tensor([[3.0, -1.0, -2.0, 2.0, 1.0]])
+    out = top_k_mask(logits, torch.tensor([k]))
+    assert kept(out[0]) == expected, (
+        f"top-k {k} of {logits[0].tolist()} keeps {sorted(expected)} (0 or less: all; past the vocabulary: all), "
+        f"kept {sorted(kept(out[0]))}")
+    assert torch.equal(out[0, list(expected)], logits[0, list(expected)]), "kept logits come back unchanged"
+
+
+def test_ch08_top_k_keeps_ties_and_works_row_by_row():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [4.0, 3.0, 2.0, 1.0]])
+    out = top_k_mask(logits, torch.tensor([1, 3]))
+    assert kept(out[0]) == {1, 2}, "ties at the k-th value are kept"
+    assert kept(out[1]) == {0, 1, 2}, "each row has its own k"
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.0, {0, 1, 2, 3}), (0.35, {0, 1}), (0.5, {0, 1}), (0.51, {0}),
+                                             (1.0, {0})])
+def test_ch08_min_p_keeps_tokens_near_the_top(min_p, expected):
+    probs = [0.5, 0.25, 0.15, 0.1]
+    logits = logits_of(probs)[None]
+    out = min_p_mask(logits, torch.tensor([min_p]))
+    assert kept(out[0]) == expected, (
+        f"min-p {min_p}: keep the tokens whose probability is at least {min_p} x the top one's (0.5) of {probs}: "
+        f"{sorted(expected)}, kept {sorted(kept(out[0]))}")
+    assert torch.equal(out[0, list(expected)], logits[0, list(expected)]), "kept logits come back unchanged"
+
+
+def test_ch08_min_p_row_by_row():
+    logits = logits_of([0.4, 0.3, 0.2, 0.1]).expand(2, -1).clone()
+    out = min_p_mask(logits, torch.tensor([0.6, 0.2]))
+    assert kept(out[0]) == {0, 1} and kept(out[1]) == {0, 1, 2, 3}, "each row has its own min_p"
+
+
+# --- the filtered draw ------------------------------------------------------------------
+
+
+def draw(logits_row, params_list, seed=0):
+    n = len(params_list)
+    torch.manual_seed(seed)
+    logits = logits_row.expand(n, -1).clone()
+    return Sampler()(logits, params_list, [None] * n).token_ids
+
+
+def frequencies(tokens, vocab):
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+@pytest.mark.parametrize("name, params, allowed", [
+    ("top_p", SamplingParams(temperature=1.0, top_p=0.6), lambda p: p.cumsum(-1) - p < 0.6),
+    ("min_p", SamplingParams(temperature=1.0, min_p=0.3), lambda p: p >= 0.3 * p.max()),
+    ("top_k", SamplingParams(temperature=1.0, top_k=2), lambda p: torch.arange(len(p)) < 2),
+])
+def test_ch08_each_filter_restricts_the_draw(name, params, allowed):
+    probs = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04], dtype=torch.float64)
+    n = 20_000
+    tokens = draw(probs.log().float(), [params] * n, seed=3)
+    keep = allowed(probs)
+    expected = torch.where(keep, probs, 0.0)
+    expected /= expected.sum()
+    freq = frequencies(tokens, 6)
+    assert (freq - expected).abs().max() < 0.015, (
+        f"{name}: the draw follows the filtered, renormalised distribution {expected.tolist()}, got {freq.tolist()}")
+
+
+def test_ch08_temperature_before_the_filters():
+    # At temperature 0.5 the top token has ~0.55 of the mass: top-p 0.5 keeps it alone.
+    # Filtering before the temperature would keep two tokens (0.45 < 0.5 at temperature 1).
+    probs = torch.tensor([0.45, 0.35, 0.2], dtype=torch.float64)
+    tokens = draw(probs.log().float(), [SamplingParams(temperature=0.5, top_p=0.5)] * 2000, seed=4)
+    assert set(tokens) == {0}, f"the temperature scales the logits first, then top-p filters: drew {set(tokens)}"
+
+
+def test_ch08_greedy_rows_beside_sampled_ones():
+    probs = torch.tensor([0.3, 0.4, 0.3], dtype=torch.float64)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 500
+    tokens = draw(probs.log().float(), params, seed=5)
+    assert set(tokens[0::2]) == {1}, "a greedy row keeps its argmax"
+    assert set(tokens[1::2]) == {0, 1, 2}, "a sampled row draws"
+
+
+def test_ch08_a_seeded_row_draws_from_its_own_generator():
+    logits = torch.zeros(1, 50)
+    params = [SamplingParams(temperature=1.0, seed=1)]
+    tokens = []
+    for other in range(4):
+        torch.manual_seed(other)  # the global generator differs each time
+        gen = torch.Generator().manual_seed(1234)
+        tokens.append(Sampler()(logits.clone(), params, [gen]).token_ids[0])
+    assert len(set(tokens)) == 1, f"a seeded row's noise comes from its own generator, not the global one: {tokens}"
+
+
+def test_ch08_a_tiny_top_p_keeps_the_top_token():
+    probs = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    tokens = draw(probs.log().float(), [SamplingParams(temperature=1.0, top_p=1e-50)] * 200, seed=6)
+    assert set(tokens) == {1}, f"a p too small for float32 still keeps the most likely token: drew {set(tokens)}"

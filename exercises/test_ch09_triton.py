@@ -18,6 +18,10 @@ and merged, with scores far from zero (a softmax without its running max overflo
 next to padding rows of context length 0, and over a float16 cache; and prefill attention
 with a sliding window, where a tile of keys can hide every key from some of its queries (a
 row with nothing visible yet).
+
+Also graded: the paged key loop (``_attend_cached_keys``), the split epilogue
+(``_store_split``) and the merge (``_merge_kernel``), with sliding windows and short
+prefills over cached keys.
 """
 import contextlib
 import os
@@ -349,3 +353,57 @@ def test_ch09_the_value_product_keeps_the_precision_it_is_given():
         given = {kw.arg: ast.unparse(kw.value) for kw in dot.keywords}
         assert given.get("input_precision") == "PRECISION", \
             f"tl.dot must take input_precision=PRECISION, got {ast.unparse(dot)}"
+
+
+# --- the paged key loop with a window, and a short prefill ------------------------------
+
+
+@pytest.mark.parametrize("window, num_splits", [(5, 1), (70, 2), (1, 3)])
+def test_ch09_decode_with_a_sliding_window(window, num_splits):
+    # The query (at position n - 1) sees only keys n - window .. n - 1; the splits share those.
+    lens = [150, 9, 64]
+    g = torch.Generator().manual_seed(window)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    q = torch.randn(len(lens), 8, 16, generator=g)
+    with kernel_errors():
+        out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.25,
+                                     max(lens), num_splits, sliding_window=window)
+    expected = prefill_spec(q, k_cache, v_cache, tables, lens, [1] * len(lens), 0.25, window)
+    torch.testing.assert_close(out, expected, **TOL, msg=lambda m: (
+        f"a window of {window} over {num_splits} split(s): the query sees only the last {window} keys: {m}"))
+
+
+def short_prefill_case(lens, q_lens, window, num_splits, seed):
+    """A short prefill: each sequence's last q_len tokens are this step's (in k, v, stored by
+    the kernel at their slots), the others already cached. Returns (out, spec)."""
+    from minivllm.kernels.paged_attention import paged_short_prefill_attention
+
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    full_k, full_v = k_cache.clone(), v_cache.clone()  # every key, the step's own included
+    slots, ks, vs = [], [], []
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        for t in range(n - m, n):
+            block, row = tables[b, t // 4].item(), t % 4
+            slots.append(block * 4 + row)
+            ks.append(full_k[block, row].clone())
+            vs.append(full_v[block, row].clone())
+            k_cache[block, row] = 0.0  # not in the cache before the step
+            v_cache[block, row] = 0.0
+    q = torch.randn(sum(q_lens), 4, 16, generator=g)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    with kernel_errors():
+        out = paged_short_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), cu, max(q_lens), 0.25, max(lens),
+            torch.stack(ks), torch.stack(vs), torch.tensor(slots), sliding_window=window, num_splits=num_splits)
+    return out, prefill_spec(q, full_k, full_v, tables, lens, q_lens, 0.25, window or 10**9)
+
+
+@pytest.mark.parametrize("window, num_splits", [(None, 1), (None, 2), (3, 1), (6, 2)])
+def test_ch09_short_prefill_over_cached_keys(window, num_splits):
+    # A few queries per sequence, causal among themselves, over cached keys walked in tiles
+    # (each query with its own window), split and merged.
+    out, expected = short_prefill_case([90, 11, 40], [3, 2, 4], window, num_splits, seed=num_splits)
+    torch.testing.assert_close(out, expected, **TOL, msg=lambda m: (
+        f"short prefill, window {window}, {num_splits} split(s): each query sees the cached keys and the step's "
+        f"own up to its position: {m}"))

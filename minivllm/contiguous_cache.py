@@ -25,6 +25,7 @@ class ContiguousKVCache:
     """One [batch, max_len, kv_heads, head_dim] key and value tensor per layer."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
+        # BEGIN SOLUTION ch04 contiguous_cache
         layers = attention_layers(model)
         param = next(model.parameters())
         first = layers[0]
@@ -33,10 +34,13 @@ class ContiguousKVCache:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv[i, 0], self.kv[i, 1]
         self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
+        # END SOLUTION
 
     def detach(self) -> None:
+        # BEGIN SOLUTION ch04 detach
         for layer in self.layers:
             layer.k_cache = layer.v_cache = None
+        # END SOLUTION
 
     def nbytes(self) -> int:
         """Bytes reserved: every row's ``max_len`` slots, used or not."""
@@ -67,6 +71,7 @@ def generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     try:
         # Prefill: every prompt token of every sequence in one flat batch.
+        # BEGIN SOLUTION ch04 generate_loop
         input_ids = torch.tensor([t for p in prompts for t in p], device=device)
         positions = torch.tensor([t for n in lens for t in range(n)], device=device)
         slots = torch.tensor([i * max_len + t for i, n in enumerate(lens) for t in range(n)], device=device)
@@ -95,6 +100,7 @@ def generate(
                 block_tables=block_tables.int(), max_seqlen_q=1, max_context_len=max(lens),
             )
             next_tokens = model.compute_logits(model(next_tokens, positions)).argmax(-1)
+        # END SOLUTION
     finally:
         reset_context()
         cache.detach()

@@ -51,6 +51,7 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
     tied = getattr(config, "tie_word_embeddings", False)
     vision_language = getattr(config, "vision_language", False)
 
+    # BEGIN SOLUTION ch01 load_weights
     for file in files:
         with safe_open(file, framework="pt") as f:
             for ckpt_name in f.keys():
@@ -80,9 +81,11 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
                      for n, s in expected - loaded if n not in whole)
     if missing:
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
+    # END SOLUTION
 
 
 def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
+    # BEGIN SOLUTION ch01 packed_names
     match = EXPERT_TENSOR.match(ckpt_name)
     if match and match["proj"] in experts:
         our_part, part = experts[match["proj"]]
@@ -91,6 +94,7 @@ def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
     return ckpt_name, None
+    # END SOLUTION
 
 
 def load_model(

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/contiguous_cache.py, generated from it by scripts/make_exercises.py.
-# Fill in: kv_cache_bytes (ch04).
+# Fill in: kv_cache_bytes (ch04), ContiguousKVCache.__init__ (ch04), ContiguousKVCache.detach (ch04), generate (ch04).
 # Grade: make grade CH=04
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -34,18 +34,21 @@ class ContiguousKVCache:
     """One [batch, max_len, kv_heads, head_dim] key and value tensor per layer."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int):
-        layers = attention_layers(model)
-        param = next(model.parameters())
-        first = layers[0]
-        shape = (len(layers), 2, batch_size, max_len, first.num_kv_heads, first.head_dim)
-        self.kv = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv[i, 0], self.kv[i, 1]
-        self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
+        raise NotImplementedError(
+            "ch04: the contiguous cache: one tensor for the keys and values of every attention "
+            "layer, an axis for the layers, one of two for key and value, then batch_size rows of "
+            "max_len slots, each of the first layer's kv heads by head_dim; zeros, in the model's "
+            "dtype and on its device; every layer's k_cache and v_cache are views of its two "
+            "halves (the attention op writes and reads through them). Keep the layers, batch_size "
+            "and max_len. Pitfall: a copy instead of a view leaves the attention writing into a "
+            "tensor nobody reads, see notebooks/04_kv_cache.ipynb"
+        )
 
     def detach(self) -> None:
-        for layer in self.layers:
-            layer.k_cache = layer.v_cache = None
+        raise NotImplementedError(
+            "ch04: detach: take the cache off every layer, keys and values, so the layers hold no "
+            "reference to it and attend without a cache again, see notebooks/04_kv_cache.ipynb"
+        )
 
     def nbytes(self) -> int:
         """Bytes reserved: every row's ``max_len`` slots, used or not."""
@@ -76,34 +79,20 @@ def generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     try:
         # Prefill: every prompt token of every sequence in one flat batch.
-        input_ids = torch.tensor([t for p in prompts for t in p], device=device)
-        positions = torch.tensor([t for n in lens for t in range(n)], device=device)
-        slots = torch.tensor([i * max_len + t for i, n in enumerate(lens) for t in range(n)], device=device)
-        cu = torch.tensor([0] + lens, device=device).cumsum(0)
-        set_context(
-            is_prefill=True, cu_seqlens_q=cu.int(), slot_mapping=slots,
-            context_lens=torch.tensor(lens, device=device, dtype=torch.int32),
-            block_tables=block_tables.int(), max_seqlen_q=max(lens), max_context_len=max(lens),
+        raise NotImplementedError(
+            "ch04: generate, the loop: row i of the cache is sequence i's block, so token t of "
+            "sequence i lives in slot i times max_len plus t. Prefill: all prompt tokens of all "
+            "sequences in one flat batch, with their positions, slots, cumulative lengths "
+            "(cu_seqlens_q, starting at 0) and context lengths, set as the step's context "
+            "(set_context; is_prefill, the block tables, the longest prompt as max_seqlen_q and "
+            "max_context_len), and the next token of each sequence is the argmax of its last "
+            "logits. Then up to max_new_tokens times: give each unfinished sequence its token and "
+            "mark it done at eos_token_id or at max_new_tokens tokens; stop when all are done; "
+            "otherwise a decode step: one token per sequence at position its current length, its "
+            "slot, lengths one longer, one query each. Pitfalls: a position off by one still runs "
+            "and drifts; finished sequences keep stepping but gain no tokens, see "
+            "notebooks/04_kv_cache.ipynb"
         )
-        next_tokens = model.compute_logits(model(input_ids, positions)).argmax(-1)
-        done = [False] * batch
-        for _ in range(max_new_tokens):
-            for i, tok in enumerate(next_tokens.tolist()):
-                if not done[i]:
-                    outputs[i].append(tok)
-                    done[i] = tok == eos_token_id or len(outputs[i]) == max_new_tokens
-            if all(done):
-                break
-            # Decode: one token per sequence (finished ones keep stepping; their output is ignored).
-            positions = torch.tensor(lens, device=device)
-            slots = torch.arange(batch, device=device) * max_len + positions
-            lens = [n + 1 for n in lens]
-            set_context(
-                is_prefill=False, cu_seqlens_q=torch.arange(batch + 1, device=device, dtype=torch.int32),
-                slot_mapping=slots, context_lens=torch.tensor(lens, device=device, dtype=torch.int32),
-                block_tables=block_tables.int(), max_seqlen_q=1, max_context_len=max(lens),
-            )
-            next_tokens = model.compute_logits(model(next_tokens, positions)).argmax(-1)
     finally:
         reset_context()
         cache.detach()

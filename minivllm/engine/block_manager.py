@@ -74,6 +74,7 @@ class BlockManager:
         # A request that asks for its prompt's logprobs needs the logits of every prompt
         # token, so it computes them all rather than reading cached blocks (as vLLM does).
         # Its blocks are still hashed once computed, for the requests after it.
+        # BEGIN SOLUTION ch06 cached_prefix
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits, parent = [], None
@@ -94,16 +95,20 @@ class BlockManager:
         if hits and len(hits) * self.block_size == seq.num_tokens:
             hits.pop()
         return hits
+        # END SOLUTION
 
     def can_allocate(self, seq: Sequence) -> bool:
+        # BEGIN SOLUTION ch05 can_allocate
         hits = self._cached_prefix(seq)
         # Hits on blocks nobody holds still come out of the free list.
         needed = seq.num_blocks_needed(self.block_size) - len(hits)
         needed += sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return needed <= self.num_free_blocks
+        # END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, sharing cached prefix blocks."""
+        # BEGIN SOLUTION ch05 allocate
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self._cached_prefix(seq)
         for block_id in hits:
@@ -117,6 +122,7 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.cache_hit_tokens += seq.num_cached_tokens
+        # END SOLUTION
 
     def _take_free_block(self) -> int:
         # BEGIN SOLUTION ch05 take_free_block
@@ -136,14 +142,17 @@ class BlockManager:
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many more blocks seq needs to compute num_new_tokens more tokens (a private
         copy of a shared block it is about to write included)."""
+        # BEGIN SOLUTION ch05 blocks_to_grow
         total = seq.num_computed_tokens + num_new_tokens
         new = max(0, seq.num_blocks_needed(self.block_size, total) - len(seq.block_table))
         return new + (self._shared_block_to_write(seq) is not None)
+        # END SOLUTION
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_to_grow(seq, num_new_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        # BEGIN SOLUTION ch05 grow
         shared = self._shared_block_to_write(seq)
         if shared is not None:
             # Copy on write: the partly filled block seq shares with its forks gets a copy of
@@ -154,6 +163,7 @@ class BlockManager:
             self.block_copies.append((old, new))
         for _ in range(self.blocks_to_grow(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
+        # END SOLUTION
 
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks at the end of seq's table that hold none of its first
@@ -190,6 +200,7 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that computing tokens has just filled, so later requests can hit them."""
+        # BEGIN SOLUTION ch06 commit_full_blocks
         if not self.enable_prefix_caching:
             return
         # (Only tokens the host knows: under asynchronous scheduling the newest computed one
@@ -210,6 +221,7 @@ class BlockManager:
             # First writer wins: an identical block computed twice stays a private copy.
             self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
+        # END SOLUTION
 
     # -- release -----------------------------------------------------------------------
 

@@ -86,10 +86,10 @@ class Scheduler:
                 # flight: nothing more to compute (asynchronous scheduling, chapter 17).
                 i += 1
                 continue
+            # BEGIN SOLUTION ch07 schedule_running
             n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:
                 n += self._fit_drafts(seq, n, budget)
-            # BEGIN SOLUTION ch07 make_room
             while not self.block_manager.can_grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -97,7 +97,6 @@ class Scheduler:
                 if victim is seq:
                     seq = None
                     break
-            # END SOLUTION
             if seq is None:
                 break
             self.block_manager.grow(seq, n)
@@ -105,6 +104,7 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
+            # END SOLUTION
         return budget
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
@@ -123,6 +123,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
                 break  # (a preempted sequence is recomputed once its last token is on the host)
+            # BEGIN SOLUTION ch07 admit_waiting
             if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
                 break  # room for its n - 1 forks too (SamplingParams.n)
             self.waiting.popleft()
@@ -133,17 +134,21 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            # END SOLUTION
 
     def _preempt(self, seq: Sequence) -> None:
+        # BEGIN SOLUTION ch07 preempt
         self.running.remove(seq)
         seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        # END SOLUTION
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""
+        # BEGIN SOLUTION ch07 finish
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
@@ -151,6 +156,7 @@ class Scheduler:
         elif seq in self.waiting:  # preempted while its last token was still on the device
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        # END SOLUTION
 
     def abort(self, request_id: str) -> Sequence | None:
         """End every sequence of the request (one, or n with SamplingParams.n); return the

@@ -125,6 +125,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
     """Fold the cached keys [start, end) of one sequence and K/V head into the running
     softmax of the query rows q (at positions q_pos), a tile of BLOCK_N keys at a time, read
     in place through the block table (bt_ptr). Returns the new (m, l, acc)."""
+    # BEGIN SOLUTION ch09 paged_key_loop
     d = tl.arange(0, HEAD_DIM)
     for n0 in range(start, end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
@@ -138,7 +139,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DECODE:
-            visible = valid[None, :]  # one query: ``first`` already starts its window
+            visible = tl.expand_dims(valid, 0)  # one query: ``first`` already starts its window
         else:
             # Each query's window starts at its own position.
             visible = valid[None, :] & (q_pos[:, None] >= 0)
@@ -148,6 +149,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
     return m, l, acc
+    # END SOLUTION
 
 
 @triton.jit
@@ -221,18 +223,20 @@ def _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row
     """The epilogue: normalise the rows' running softmax (a row with no keys gives zeros)
     and store it, as the output itself in its dtype (DIRECT: one split, no merge to launch)
     or as this split's float32 partial output and log-sum-exp, for ``_merge_kernel``."""
+    # BEGIN SOLUTION ch09 store_split
     d = tl.arange(0, HEAD_DIM)
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     base = token * stride_pt + heads * stride_ph + split * stride_ps
     if DIRECT:
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
+        tl.store(part_out_ptr + base[:, None] + d[None, :],
+                 out.to(part_out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
         lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
         tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=row_valid[:, None])
         tl.store(part_lse_ptr + token * stride_lt + heads * stride_lh + split, lse, mask=row_valid)
+    # END SOLUTION
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -328,6 +332,7 @@ def _merge_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
     smask = s < num_splits
+    # BEGIN SOLUTION ch09 merge_splits
     lse = tl.load(part_lse_ptr + b * stride_lt + h * stride_lh + s, mask=smask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     # A padding row (no keys at all) has every lse at -inf: its output is zero.
@@ -337,6 +342,7 @@ def _merge_kernel(
     total = tl.sum(w, axis=0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    # END SOLUTION
 
 
 def sm_count(x: torch.Tensor) -> int:

@@ -28,6 +28,7 @@ def llama3_scale_inv_freq(
 ) -> torch.Tensor:
     """Llama 3's context extension: slow the low-frequency channels down by ``factor``,
     keep the high-frequency ones, and blend smoothly in between."""
+    # BEGIN SOLUTION ch03 llama3_scaling
     old_context = original_max_position_embeddings
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
@@ -37,6 +38,7 @@ def llama3_scale_inv_freq(
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)
+    # END SOLUTION
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,6 +48,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        # BEGIN SOLUTION ch03 rotary_cache
         inv_freq = rope_inv_freq(self.rotary_dim, base)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
@@ -59,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         # Not saved in the state dict: the cache is a function of the config.
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        # END SOLUTION
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -25,10 +25,12 @@ MIN_FLOAT32 = torch.finfo(torch.float32).tiny
 
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's k largest logits (k = 0: keep all). Ties at the boundary are kept."""
+    # BEGIN SOLUTION ch08 top_k_mask
     vocab = logits.shape[-1]
     k = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
     kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
     return logits.masked_fill(logits < kth, float("-inf"))
+    # END SOLUTION
 
 
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -45,9 +47,11 @@ def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Keep tokens whose probability is at least min_p times the most likely token's."""
+    # BEGIN SOLUTION ch08 min_p_mask
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+    # END SOLUTION
 
 
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -240,6 +244,7 @@ class Sampler:
     @staticmethod
     def _draw_filtered(logits, greedy_tokens, params, generators) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p, then a draw; greedy rows keep their argmax."""
+        # BEGIN SOLUTION ch08 draw_filtered
         device, vocab = logits.device, logits.shape[-1]
         # One copy for every per-row setting: greedy, temperature, top-k (a k past the
         # vocabulary keeps everything, and would not fit an int64), top-p (a p that float32
@@ -264,3 +269,4 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return torch.where(greedy.bool(), greedy_tokens, gumbel_max_sample(probs, noise))
+        # END SOLUTION

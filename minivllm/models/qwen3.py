@@ -47,6 +47,7 @@ class Qwen3Attention(nn.Module):
                               sliding_window=config.sliding_window if sliding else None)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION ch02 attention_layer
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -56,6 +57,7 @@ class Qwen3Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v)
         return self.o_proj(out.flatten(1))
+        # END SOLUTION
 
 
 class Qwen3MLP(GatedMLP):
@@ -86,6 +88,7 @@ class Qwen3DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each norm can fuse in its add.
+        # BEGIN SOLUTION ch01 decoder_layer
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -94,6 +97,7 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+        # END SOLUTION
 
 
 class Qwen3Model(nn.Module):
@@ -104,12 +108,14 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION ch01 decoder_stack
         hidden_states = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+        # END SOLUTION
 
 
 class Qwen3ForCausalLM(nn.Module):

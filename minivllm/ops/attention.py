@@ -78,19 +78,23 @@ def store_kvcache(
     s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
     Slot -1 marks a padding token that must not be stored.
     """
+    # BEGIN SOLUTION ch05 store_kvcache
     num_kv_heads, head_dim = k_cache.shape[-2:]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid]
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid]
+    # END SOLUTION
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached tokens of one sequence, read through its block table."""
+    # BEGIN SOLUTION ch05 gather_kv
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, heads, dim]
     return blocks.flatten(0, 1)[:length]
+    # END SOLUTION
 
 
 def varlen_attention(
@@ -138,6 +142,7 @@ def varlen_attention_reference(
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+    # BEGIN SOLUTION ch02 varlen_reference
     cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
     out = torch.empty_like(q)
     for i in range(len(cu_seqlens) - 1):
@@ -155,3 +160,4 @@ def varlen_attention_reference(
             k_i, v_i = k_i[first:], v_i[first:]
         out[start:end] = causal_attention(q[start:end], k_i, v_i, scale, sliding_window)
     return out
+    # END SOLUTION

@@ -26,11 +26,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary over the first rotary_dim = 2 * cos.shape[-1] channels of x; with partial
     rotary the other channels carry no position and pass through."""
+    # BEGIN SOLUTION ch03 partial_rotary
     rotary_dim = 2 * cos.shape[-1]
     if rotary_dim == x.shape[-1]:
         return apply_rotary(x, cos, sin)
     rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    # END SOLUTION
 
 
 def qk_norm_rope(

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/contiguous_cache.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: kv_cache_bytes (ch04).
+# Reference answers for: kv_cache_bytes (ch04), ContiguousKVCache.__init__ (ch04), ContiguousKVCache.detach (ch04), generate (ch04).
 # Do not edit: change minivllm/contiguous_cache.py and run scripts/make_exercises.py again.
 
 """A minimal generation loop with a contiguous KV cache.

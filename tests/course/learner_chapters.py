@@ -15,6 +15,7 @@ the problem; the exit status is the number of problems.
 """
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -84,6 +85,7 @@ def misplaced(tree: Path, chapter: int) -> list[str]:
             function = getattr(function, "fget", function)
             function = getattr(function, "__func__", function)
             function = getattr(function, "fn", function)
+            function = inspect.unwrap(function)  # a decorated function (torch.inference_mode): its own code
             filename = Path(function.__code__.co_filename)
             stub = any(isinstance(c, str) and c.startswith(f"ch{of:02d}: ") for c in function.__code__.co_consts)
             if of == chapter and not (filename == tree / source.rel and stub):

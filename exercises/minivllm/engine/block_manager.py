@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/block_manager.py, generated from it by scripts/make_exercises.py.
-# Fill in: block_hash (ch06), BlockManager._take_free_block (ch05), BlockManager.free (ch05).
+# Fill in: block_hash (ch06), BlockManager._cached_prefix (ch06), BlockManager.can_allocate (ch05), BlockManager.allocate (ch05), BlockManager._take_free_block (ch05), BlockManager.blocks_to_grow (ch05), BlockManager.grow (ch05), BlockManager.commit_full_blocks (ch06), BlockManager.free (ch05).
 # Grade: make grade CH=05; make grade CH=06
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -80,49 +80,36 @@ class BlockManager:
         # A request that asks for its prompt's logprobs needs the logits of every prompt
         # token, so it computes them all rather than reading cached blocks (as vLLM does).
         # Its blocks are still hashed once computed, for the requests after it.
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return []
-        hits, parent = [], None
-        num_full = seq.num_tokens // self.block_size
-        for i in range(num_full):
-            tokens = seq.block_tokens(i, self.block_size)
-            h = block_hash(tokens, parent)
-            block_id = self.hash_to_block.get(h)
-            # A miss, or a collision: the block must hold these tokens *after the blocks
-            # already matched*, or it would hand out keys computed for another prefix.
-            if block_id is None or self.blocks[block_id].token_ids != tokens or \
-                    self.blocks[block_id].parent_id != (hits[-1] if hits else None):
-                break
-            hits.append(block_id)
-            parent = h
-        # At least one token must be computed to produce logits: if everything hit,
-        # recompute the last block rather than write into a block others share.
-        if hits and len(hits) * self.block_size == seq.num_tokens:
-            hits.pop()
-        return hits
+        raise NotImplementedError(
+            "ch06: _cached_prefix: the longest run of the sequence's leading full blocks found in "
+            "the cache. Nothing when prefix caching is off or the request wants its prompt "
+            "logprobs (those need every prompt token's logits). Walk its full blocks in order, "
+            "chaining each block's hash to the previous one's; stop at the first miss, and at a "
+            "collision: the cached block must hold these very tokens and its parent must be the "
+            "block matched just before (none for the first). Pitfall: when every token hits, "
+            "nothing is left to compute the next token's logits from: give back the last hit so it "
+            "is recomputed, see notebooks/06_prefix_caching.ipynb"
+        )
 
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
-        # Hits on blocks nobody holds still come out of the free list.
-        needed = seq.num_blocks_needed(self.block_size) - len(hits)
-        needed += sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return needed <= self.num_free_blocks
+        raise NotImplementedError(
+            "ch05: can_allocate: does the free list hold what allocate will take? The sequence "
+            "needs a block for every block of its tokens except its cached prefix hits; but a hit "
+            "on a block that nobody holds (ref_count 0) is itself on the free list and leaves it. "
+            "Pitfall: counting such a hit as free memory admits a sequence that then runs dry, see "
+            "notebooks/05_paged_blocks.ipynb"
+        )
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, sharing cached prefix blocks."""
-        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        hits = self._cached_prefix(seq)
-        for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
-        for _ in range(seq.num_blocks_needed(self.block_size) - len(hits)):
-            seq.block_table.append(self._take_free_block())
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
-        self.cache_hit_tokens += seq.num_cached_tokens
+        raise NotImplementedError(
+            "ch05: allocate: a waiting sequence holds no blocks yet (assert it). Its cached prefix "
+            "hits come first in its table: a hit nobody held leaves the free list, and every hit "
+            "gains an owner. Then a fresh block (_take_free_block) for each further block its "
+            "tokens need. The hits' tokens are computed already: set num_cached_tokens and "
+            "num_computed_tokens to their count, and add it to cache_hit_tokens. Pitfall: the hits "
+            "count in blocks, tokens in tokens, see notebooks/05_paged_blocks.ipynb"
+        )
 
     def _take_free_block(self) -> int:
         raise NotImplementedError(
@@ -140,24 +127,25 @@ class BlockManager:
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many more blocks seq needs to compute num_new_tokens more tokens (a private
         copy of a shared block it is about to write included)."""
-        total = seq.num_computed_tokens + num_new_tokens
-        new = max(0, seq.num_blocks_needed(self.block_size, total) - len(seq.block_table))
-        return new + (self._shared_block_to_write(seq) is not None)
+        raise NotImplementedError(
+            "ch05: blocks_to_grow: after the step the sequence has computed num_computed_tokens "
+            "plus num_new_tokens tokens; it needs the blocks for that many beyond those in its "
+            "table (never fewer than none), plus one when the block it writes next is shared (its "
+            "private copy, _shared_block_to_write), see notebooks/05_paged_blocks.ipynb"
+        )
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_to_grow(seq, num_new_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
-        shared = self._shared_block_to_write(seq)
-        if shared is not None:
-            # Copy on write: the partly filled block seq shares with its forks gets a copy of
-            # its own, made on the device before the step writes into it.
-            old, new = seq.block_table[shared], self._take_free_block()
-            self.blocks[old].ref_count -= 1
-            seq.block_table[shared] = new
-            self.block_copies.append((old, new))
-        for _ in range(self.blocks_to_grow(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free_block())
+        raise NotImplementedError(
+            "ch05: grow: first copy on write: when the block the sequence writes next is shared, "
+            "take a free block for it, drop one reference to the shared one, put the new block in "
+            "the table in its place and record the copy (source, destination) in block_copies for "
+            "the device. Then append a fresh block for each block still missing. Pitfall: counting "
+            "the missing blocks before the copy counts the copy twice, see "
+            "notebooks/05_paged_blocks.ipynb"
+        )
 
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks at the end of seq's table that hold none of its first
@@ -194,26 +182,16 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that computing tokens has just filled, so later requests can hit them."""
-        if not self.enable_prefix_caching:
-            return
-        # (Only tokens the host knows: under asynchronous scheduling the newest computed one
-        # may still be on its way from the device.)
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        # Hashed blocks form a prefix of the table: walk back to the first unhashed one, so
-        # each step costs the blocks it filled, not the whole sequence.
-        first = num_full
-        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
-            first -= 1
-        parent = self.blocks[seq.block_table[first - 1]].hash if first else None
-        for i in range(first, num_full):
-            block = self.blocks[seq.block_table[i]]
-            tokens = seq.block_tokens(i, self.block_size)
-            block.hash = block_hash(tokens, parent)
-            block.token_ids = tokens
-            block.parent_id = seq.block_table[i - 1] if i else None
-            # First writer wins: an identical block computed twice stays a private copy.
-            self.hash_to_block.setdefault(block.hash, block.block_id)
-            parent = block.hash
+        raise NotImplementedError(
+            "ch06: commit_full_blocks: hash the blocks that computing has just filled (only when "
+            "prefix caching is on). The full blocks are those of the computed tokens the host "
+            "knows (at most num_tokens). Hashed blocks form a prefix of the table: walk back from "
+            "the last full block to the first one without a hash, start the chain from the hash "
+            "before it, and for each block from there: its hash, its tokens and its parent block's "
+            "id (none for the first block), and an entry in hash_to_block unless that hash is "
+            "registered already (the first writer wins). Pitfall: hashing a block that is not full "
+            "yet caches a prefix that will change, see notebooks/06_prefix_caching.ipynb"
+        )
 
     # -- release -----------------------------------------------------------------------
 

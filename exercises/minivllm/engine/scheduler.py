@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Fill in: Scheduler._schedule_running (ch07).
+# Fill in: Scheduler._schedule_running (ch07), Scheduler._admit_waiting (ch07), Scheduler._preempt (ch07), Scheduler.finish (ch07).
 # Grade: make grade CH=07
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -91,24 +91,18 @@ class Scheduler:
                 # flight: nothing more to compute (asynchronous scheduling, chapter 17).
                 i += 1
                 continue
-            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            if seq.draft_token_ids:
-                n += self._fit_drafts(seq, n, budget)
             raise NotImplementedError(
-                "ch07: make room for seq: before seq grows by n tokens the pool must have blocks "
-                "for them. While it has not, preempt by recomputation: the victim is the running "
-                "sequence admitted last (the end of self.running); _preempt gives its blocks back, "
-                "and the batch records it among the preempted. The victim may be seq itself: then "
-                "seq does not run this step, and there is no more room to make for it. Invariant: "
-                "the loop ends, with room or with seq preempted, see notebooks/07_scheduler.ipynb"
+                "ch07: _schedule_running, one running sequence (the loop over them in admission "
+                "order, while budget is left, and the skip of a sequence whose last token is still "
+                "on the device are given): it computes what it has scheduled and not computed yet, "
+                "at most the budget (a long prompt continues over several steps, chunked prefill); "
+                "with draft tokens it adds what _fit_drafts keeps (chapter 19). Before it grows, "
+                "make room: while the pool cannot grow it by that many tokens, preempt the running "
+                "sequence admitted last and record it among the batch's preempted; if the victim "
+                "is the sequence itself, it does not run and the loop stops. Otherwise grow it, "
+                "add it and its token count to the batch, spend the budget and move on. Pitfall: "
+                "preempting a sequence already in the batch, see notebooks/07_scheduler.ipynb"
             )
-            if seq is None:
-                break
-            self.block_manager.grow(seq, n)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
         return budget
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
@@ -127,34 +121,33 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending or not self.block_manager.can_allocate(seq):
                 break  # (a preempted sequence is recomputed once its last token is on the host)
-            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
-                break  # room for its n - 1 forks too (SamplingParams.n)
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            raise NotImplementedError(
+                "ch07: _admit_waiting, the sequence at the front of the queue (the loop, and the "
+                "checks that stop it at a sequence whose blocks do not fit or whose token is "
+                "pending, are given): stop as well when it and its forks (num_forks, "
+                "SamplingParams.n) would pass max_num_seqs. Otherwise admit it: off the queue, its "
+                "blocks allocated, marked running, appended to running, and scheduled for its "
+                "uncomputed tokens (those after its cached prefix), at most the budget, which it "
+                "spends. Pitfall: the whole prompt recomputes what the cache holds, see "
+                "notebooks/07_scheduler.ipynb"
+            )
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        seq.draft_token_ids = []
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        raise NotImplementedError(
+            "ch07: _preempt, by recomputation: the sequence leaves running, drops its draft "
+            "tokens, gives all its blocks back, becomes WAITING again, counts one more preemption, "
+            "and goes back to the front of the waiting queue, to be admitted first. Pitfall: the "
+            "back of the queue starves it, see notebooks/07_scheduler.ipynb"
+        )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back at once."""
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:  # preempted while its last token was still on the device
-            self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        raise NotImplementedError(
+            "ch07: finish: the sequence is FINISHED, with its reason; it leaves running, or the "
+            "waiting queue if it was preempted while its last token was still on the device; its "
+            "blocks go back at once. Pitfall: a finished sequence left in a queue is scheduled "
+            "again, see notebooks/07_scheduler.ipynb"
+        )
 
     def abort(self, request_id: str) -> Sequence | None:
         """End every sequence of the request (one, or n with SamplingParams.n); return the

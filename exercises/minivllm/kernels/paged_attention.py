@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
-# Fill in: _online_softmax_update (ch09).
+# Fill in: _online_softmax_update (ch09), _attend_cached_keys (ch09), _store_split (ch09), _merge_kernel (ch09).
 # Grade: make grade CH=09
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -140,29 +140,17 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
     """Fold the cached keys [start, end) of one sequence and K/V head into the running
     softmax of the query rows q (at positions q_pos), a tile of BLOCK_N keys at a time, read
     in place through the block table (bt_ptr). Returns the new (m, l, acc)."""
-    d = tl.arange(0, HEAD_DIM)
-    for n0 in range(start, end, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < end) & (n >= first)
-        # One block id per key (read once per block instead, the tile's gather loses its
-        # layout). Past the last block the ids are clamped to it: those rows are masked,
-        # never read.
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                             False)
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if DECODE:
-            visible = valid[None, :]  # one query: ``first`` already starts its window
-        else:
-            # Each query's window starts at its own position.
-            visible = valid[None, :] & (q_pos[:, None] >= 0)
-            if window > 0:
-                visible = visible & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
-    return m, l, acc
+    raise NotImplementedError(
+        "ch09: the paged key loop: walk the keys start to end, BLOCK_N at a time. A key of the "
+        "tile is valid when it lies in the range and is not before first; _kv_tile_rows gives each "
+        "key's row in the cache through the block table. Load the tile's keys (invalid ones as "
+        "zeros), score them against q with a dot, hide what each query may not see (DECODE: only "
+        "the invalid keys; otherwise also the rows of padding queries, negative q_pos, and with a "
+        "window the keys at or before a query's position minus the window) as minus infinity, load "
+        "the values and fold the tile in with _online_softmax_update, scale times LOG2E as its "
+        "scale. Return the running state. Pitfall: a masked key loaded as zero still scores zero, "
+        "not minus infinity, see notebooks/09_triton_kernels.ipynb"
+    )
 
 
 @triton.jit
@@ -236,18 +224,14 @@ def _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row
     """The epilogue: normalise the rows' running softmax (a row with no keys gives zeros)
     and store it, as the output itself in its dtype (DIRECT: one split, no merge to launch)
     or as this split's float32 partial output and log-sum-exp, for ``_merge_kernel``."""
-    d = tl.arange(0, HEAD_DIM)
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    base = token * stride_pt + heads * stride_ph + split * stride_ps
-    if DIRECT:
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
-    else:
-        # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
-        lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out, mask=row_valid[:, None])
-        tl.store(part_lse_ptr + token * stride_lt + heads * stride_lh + split, lse, mask=row_valid)
+    raise NotImplementedError(
+        "ch09: _store_split: normalise each row's accumulator by its running sum; a row that saw "
+        "no key has a sum of zero and must give zeros, not NaN. DIRECT (one split): store the "
+        "output in the output's dtype. Otherwise store the float32 partial output and the row's "
+        "natural log-sum-exp, ln of 2 to the m times l (m is in base 2), minus infinity for a row "
+        "without keys, for the merge. Only valid rows are stored. Pitfall: m is a base-2 maximum, "
+        "see notebooks/09_triton_kernels.ipynb"
+    )
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -343,15 +327,14 @@ def _merge_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
     smask = s < num_splits
-    lse = tl.load(part_lse_ptr + b * stride_lt + h * stride_lh + s, mask=smask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    # A padding row (no keys at all) has every lse at -inf: its output is zero.
-    w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0)), 0.0)
-    parts = tl.load(part_out_ptr + b * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=smask[:, None], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    raise NotImplementedError(
+        "ch09: the merge: each split of a (sequence, head) left a normalised partial output and "
+        "its log-sum-exp. The exact output weights each partial by the exponential of its lse, "
+        "relative to the largest lse for range, over the sum of those weights. Splits past "
+        "num_splits and splits with no keys (lse minus infinity) weigh nothing; a row with no keys "
+        "at all gives zeros. Pitfall: weighting by the lse itself instead of its exponential, see "
+        "notebooks/09_triton_kernels.ipynb"
+    )
 
 
 def sm_count(x: torch.Tensor) -> int:

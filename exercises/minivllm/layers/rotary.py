@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/rotary.py, generated from it by scripts/make_exercises.py.
-# Fill in: rope_inv_freq (ch03).
+# Fill in: rope_inv_freq (ch03), llama3_scale_inv_freq (ch03), RotaryEmbedding.__init__ (ch03).
 # Grade: make grade CH=03
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -35,15 +35,17 @@ def llama3_scale_inv_freq(
 ) -> torch.Tensor:
     """Llama 3's context extension: slow the low-frequency channels down by ``factor``,
     keep the high-frequency ones, and blend smoothly in between."""
-    old_context = original_max_position_embeddings
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
+    raise NotImplementedError(
+        "ch03: Llama 3's scaling, by wavelength (2 pi over a channel's inverse frequency) against "
+        "the original context: a channel whose wavelength is longer than the original context "
+        "divided by low_freq_factor turns too slowly to have seen whole turns in training: divide "
+        "its frequency by factor. One shorter than the context divided by high_freq_factor keeps "
+        "its frequency. In between, blend linearly between the two, with a weight smooth that is "
+        "the original context over the wavelength, minus low_freq_factor, over the difference of "
+        "the two factors: (1 - smooth) times the slowed frequency plus smooth times the original. "
+        "Both boundaries belong to the blend. Pitfall: comparing frequencies where the rule speaks "
+        "of wavelengths reverses every inequality, see notebooks/03_rope.ipynb"
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,19 +55,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = rope_inv_freq(self.rotary_dim, base)
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = llama3_scale_inv_freq(inv_freq, scaling["factor"], scaling["low_freq_factor"],
-                                             scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
-        elif rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif rope_type != "default":
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # Not saved in the state dict: the cache is a function of the config.
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        raise NotImplementedError(
+            "ch03: the cos/sin cache: the inverse frequencies of rotary_dim, rescaled by the "
+            "config's rope scaling: llama3 (its four parameters, from the scaling dict), linear "
+            "(divide every frequency by factor), default (none); any other type is a ValueError "
+            "naming it. The rope type is under the key rope_type, or type in older configs. The "
+            "angle of position t and pair i is t times inv_freq[i], for every position up to "
+            "max_position, in float32; register their cosines and sines as the buffers cos_cache "
+            "and sin_cache, not persistent (they come from the config, not the checkpoint). "
+            "Pitfall: the outer product's order decides which axis is the position, see "
+            "notebooks/03_rope.ipynb"
+        )
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

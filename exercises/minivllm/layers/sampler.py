@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/sampler.py, generated from it by scripts/make_exercises.py.
-# Fill in: top_p_mask (ch08), gumbel_max_sample (ch08).
+# Fill in: top_k_mask (ch08), top_p_mask (ch08), min_p_mask (ch08), gumbel_max_sample (ch08), Sampler._draw_filtered (ch08).
 # Grade: make grade CH=08
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -30,10 +30,12 @@ MIN_FLOAT32 = torch.finfo(torch.float32).tiny
 
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's k largest logits (k = 0: keep all). Ties at the boundary are kept."""
-    vocab = logits.shape[-1]
-    k = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
-    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
-    return logits.masked_fill(logits < kth, float("-inf"))
+    raise NotImplementedError(
+        "ch08: top_k_mask: keep each row's k largest logits; k of 0 or less keeps all, and k past "
+        "the vocabulary is the whole vocabulary. Find each row's k-th largest value and mask every "
+        "logit strictly below it, so ties at the boundary stay. Pitfall: k counts from one, "
+        "indices from zero, see notebooks/08_sampling.ipynb"
+    )
 
 
 def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -51,9 +53,11 @@ def top_p_mask(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Keep tokens whose probability is at least min_p times the most likely token's."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    raise NotImplementedError(
+        "ch08: min_p_mask: a token stays when its probability is at least min_p times the row's "
+        "largest probability; the others get minus infinity. min_p holds one value per row. "
+        "Pitfall: comparing logits with a probability threshold, see notebooks/08_sampling.ipynb"
+    )
 
 
 def gumbel_max_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -251,27 +255,14 @@ class Sampler:
     @staticmethod
     def _draw_filtered(logits, greedy_tokens, params, generators) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p, then a draw; greedy rows keep their argmax."""
-        device, vocab = logits.device, logits.shape[-1]
-        # One copy for every per-row setting: greedy, temperature, top-k (a k past the
-        # vocabulary keeps everything, and would not fit an int64), top-p (a p that float32
-        # rounds to 0, like 1e-50, is raised to its smallest positive value: the most likely
-        # token's mass before it is exactly 0, so it survives any p > 0) and min-p.
-        greedy, temperature, top_k, top_p, min_p = rows_to_device(
-            [[float(p.greedy) for p in params], [1.0 if p.greedy else p.temperature for p in params],
-             [min(p.top_k, vocab) for p in params], [max(p.top_p, MIN_FLOAT32) for p in params],
-             [p.min_p for p in params]], torch.float32, device)
-        scaled = logits / temperature.unsqueeze(-1)
-        if any(p.top_k for p in params):
-            scaled = top_k_mask(scaled, top_k.long())
-        if any(p.top_p < 1 for p in params):
-            scaled = top_p_mask(scaled, top_p)
-        if any(p.min_p > 0 for p in params):
-            scaled = min_p_mask(scaled, min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, gen in enumerate(generators):
-            # A seeded request draws its own noise from its own generator, so its tokens do
-            # not depend on its neighbours in the batch.
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return torch.where(greedy.bool(), greedy_tokens, gumbel_max_sample(probs, noise))
+        raise NotImplementedError(
+            "ch08: _draw_filtered: the per-row settings in one copy to the device (rows_to_device, "
+            "float32): greedy, temperature (1 for a greedy row), top-k (capped at the vocabulary), "
+            "top-p (raised to the smallest positive float32, MIN_FLOAT32, so that a p too small "
+            "for float32 keeps the most likely token) and min-p. Divide the logits by the "
+            "temperatures, then apply top-k, top-p and min-p, each only when some row asks for it. "
+            "Softmax, Exp(1) noise for every row, drawn again from its own generator for a seeded "
+            "row, then the Gumbel-max draw; greedy rows keep the argmax they were given. Pitfall: "
+            "filtering before the temperature changes what top-p keeps, see "
+            "notebooks/08_sampling.ipynb"
+        )

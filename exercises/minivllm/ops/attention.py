@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
-# Fill in: causal_attention (ch02), sliding_window_attention (ch11).
-# Grade: make grade CH=02; make grade CH=11
+# Fill in: causal_attention (ch02), sliding_window_attention (ch11), store_kvcache (ch05), gather_kv (ch05), varlen_attention_reference (ch02).
+# Grade: make grade CH=02; make grade CH=05; make grade CH=11
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Attention ops: the torch reference.
@@ -78,19 +78,22 @@ def store_kvcache(
     s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
     Slot -1 marks a padding token that must not be stored.
     """
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid]
+    raise NotImplementedError(
+        "ch05: store_kvcache: the cache seen as flat slots is [num_blocks times block_size, kv "
+        "heads, head_dim], a view, not a copy; write each token's key and value into the row its "
+        "slot names. Slot -1 is a padding token: store nothing for it. Pitfall: a view through "
+        "reshape may copy, and the write is then lost, see notebooks/05_paged_blocks.ipynb"
+    )
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached tokens of one sequence, read through its block table."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, heads, dim]
-    return blocks.flatten(0, 1)[:length]
+    raise NotImplementedError(
+        "ch05: gather_kv: the first length tokens of a sequence, in order: the blocks its table "
+        "names (as many as length needs, rounding up), flattened into one run of tokens and cut at "
+        "length. Pitfall: rounding the block count down loses the last, partly filled block, see "
+        "notebooks/05_paged_blocks.ipynb"
+    )
 
 
 def varlen_attention(
@@ -138,20 +141,15 @@ def varlen_attention_reference(
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-    cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
-    out = torch.empty_like(q)
-    for i in range(len(cu_seqlens) - 1):
-        start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
-        if use_cache:
-            length = int(ctx.context_lens[i])
-            k_i = gather_kv(k_cache, ctx.block_tables[i], length)
-            v_i = gather_kv(v_cache, ctx.block_tables[i], length)
-        else:
-            k_i, v_i = k[start:end], v[start:end]
-        if sliding_window is not None:
-            # Keys older than the first query's window are never seen: drop them. Positions
-            # are relative, so the queries stay the last (end - start) of what is left.
-            first = max(0, k_i.shape[0] - (end - start) - sliding_window + 1)
-            k_i, v_i = k_i[first:], v_i[first:]
-        out[start:end] = causal_attention(q[start:end], k_i, v_i, scale, sliding_window)
-    return out
+    raise NotImplementedError(
+        "ch02: varlen_attention_reference: one sequence at a time. Tokens of the step arrive "
+        "packed, sequence i's queries being rows cu_seqlens_q[i] to cu_seqlens_q[i + 1] (no "
+        "cu_seqlens_q: one sequence, all rows). Without a cache (no k_cache, or no slot_mapping) "
+        "each sequence attends over its own keys of this step. With one (the step's keys and "
+        "values are in their slots already), read back each sequence's first context_lens[i] keys "
+        "and values through its block table: cached prefix and new tokens alike, its queries being "
+        "the last of them. With a sliding window, drop the keys that even the first query cannot "
+        "see (positions are relative, so what is left still ends at the last query) and pass the "
+        "window on to causal_attention. Pitfall: reading only this step's keys forgets the cached "
+        "prefix, see notebooks/02_attention.ipynb"
+    )

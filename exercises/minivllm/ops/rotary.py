@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/ops/rotary.py, generated from it by scripts/make_exercises.py.
-# Fill in: apply_rotary (ch03).
+# Fill in: apply_rotary (ch03), rotate (ch03).
 # Grade: make grade CH=03
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -34,11 +34,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary over the first rotary_dim = 2 * cos.shape[-1] channels of x; with partial
     rotary the other channels carry no position and pass through."""
-    rotary_dim = 2 * cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    raise NotImplementedError(
+        "ch03: rotate: partial rotary. cos holds one column per rotated pair, so twice its width "
+        "is rotary_dim, the channels that turn; when that is all of x's last dimension, rotate it "
+        "all; otherwise rotate the first rotary_dim channels and pass the rest through unchanged, "
+        "after them. Pitfall: the pairs are formed inside the rotated part (i with i + rotary_dim "
+        "/ 2), not across the whole head, see notebooks/03_rope.ipynb"
+    )
 
 
 def qk_norm_rope(

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/block_manager.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: block_hash (ch06), BlockManager._take_free_block (ch05), BlockManager.free (ch05).
+# Reference answers for: block_hash (ch06), BlockManager._cached_prefix (ch06), BlockManager.can_allocate (ch05), BlockManager.allocate (ch05), BlockManager._take_free_block (ch05), BlockManager.blocks_to_grow (ch05), BlockManager.grow (ch05), BlockManager.commit_full_blocks (ch06), BlockManager.free (ch05).
 # Do not edit: change minivllm/engine/block_manager.py and run scripts/make_exercises.py again.
 
 """The block manager: a fixed pool of KV-cache blocks, handed out to sequences.

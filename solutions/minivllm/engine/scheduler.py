@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/scheduler.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: Scheduler._schedule_running (ch07).
+# Reference answers for: Scheduler._schedule_running (ch07), Scheduler._admit_waiting (ch07), Scheduler._preempt (ch07), Scheduler.finish (ch07).
 # Do not edit: change minivllm/engine/scheduler.py and run scripts/make_exercises.py again.
 
 """The scheduler: which sequences run this step, and how many tokens each computes.

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/kernels/paged_attention.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: _online_softmax_update (ch09).
+# Reference answers for: _online_softmax_update (ch09), _attend_cached_keys (ch09), _store_split (ch09), _merge_kernel (ch09).
 # Do not edit: change minivllm/kernels/paged_attention.py and run scripts/make_exercises.py again.
 
 """Attention over the paged KV cache: a split-context kernel (decode, short prefill) and a prefill kernel.
@@ -138,7 +138,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DECODE:
-            visible = valid[None, :]  # one query: ``first`` already starts its window
+            visible = tl.expand_dims(valid, 0)  # one query: ``first`` already starts its window
         else:
             # Each query's window starts at its own position.
             visible = valid[None, :] & (q_pos[:, None] >= 0)
@@ -226,8 +226,8 @@ def _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     base = token * stride_pt + heads * stride_ph + split * stride_ps
     if DIRECT:
-        tl.store(part_out_ptr + base[:, None] + d[None, :], out.to(part_out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None])
+        tl.store(part_out_ptr + base[:, None] + d[None, :],
+                 out.to(part_out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         # m is in base-2 units: the merge reads a natural log-sum-exp, ln(2^m * l).
         lse = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, l, 1.0))) * LN2, float("-inf"))

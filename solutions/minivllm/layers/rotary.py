@@ -1,5 +1,5 @@
 # Reference copy of minivllm/layers/rotary.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: rope_inv_freq (ch03).
+# Reference answers for: rope_inv_freq (ch03), llama3_scale_inv_freq (ch03), RotaryEmbedding.__init__ (ch03).
 # Do not edit: change minivllm/layers/rotary.py and run scripts/make_exercises.py again.
 
 """Rotary position embeddings (RoPE).

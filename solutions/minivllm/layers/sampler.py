@@ -1,5 +1,5 @@
 # Reference copy of minivllm/layers/sampler.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: top_p_mask (ch08), gumbel_max_sample (ch08).
+# Reference answers for: top_k_mask (ch08), top_p_mask (ch08), min_p_mask (ch08), gumbel_max_sample (ch08), Sampler._draw_filtered (ch08).
 # Do not edit: change minivllm/layers/sampler.py and run scripts/make_exercises.py again.
 
 """From logits to the next token: greedy, temperature, top-k, top-p, min-p, seeds (and,

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/ops/rotary.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: apply_rotary (ch03).
+# Reference answers for: apply_rotary (ch03), rotate (ch03).
 # Do not edit: change minivllm/ops/rotary.py and run scripts/make_exercises.py again.
 
 """Rotary position embeddings as an op: rotate queries and keys to their positions, after

@@ -1,0 +1,111 @@
+# Reference copy of minivllm/loader.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: load_weights (ch01), _param_name_and_shard (ch01).
+# Do not edit: change minivllm/loader.py and run scripts/make_exercises.py again.
+
+"""Load a Hugging Face checkpoint (``*.safetensors``, sharded or not) into our modules.
+
+For each tensor in the files: rename it if it belongs to a packed projection (q/k/v ->
+qkv_proj, gate/up -> gate_up_proj) or is one expert's piece of a stacked expert parameter
+(``experts.3.up_proj.weight`` -> ``experts.gate_up_proj``, shard (3, 1)), find the
+parameter, and let the parameter's own ``weight_loader`` put it in place. Anything
+missing, unexpected or misshapen is an error that names the tensor: a silently
+half-loaded model writes fluent nonsense.
+
+The text part of a vision-language checkpoint (``config.vision_language``, Qwen3.5's) is
+loaded the same way after ``text_tensor_name`` strips ``model.language_model.`` down to
+``model.``; the vision tower (``model.visual.*``) and the multi-token-prediction head
+(``mtp.*``, in text checkpoints too) are skipped on purpose, being no part of the text
+model. The MTP head is loaded on its own, into its own module, with ``prefix="mtp."``
+(speculative decoding, ``minivllm.spec_decode.mtp``).
+"""
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from minivllm.config import ModelConfig, text_tensor_name
+from minivllm.layers.linear import default_weight_loader
+from minivllm.models.registry import get_model_class
+from minivllm.safetensors_index import safetensors_files
+
+# Tensors some checkpoints carry that are recomputed from the config instead.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The multi-token-prediction head's tensors: not the model's, loaded only when asked for.
+MTP_PREFIX = "mtp."
+# One expert's projection in the hub's layout: "<prefix>.experts.<e>.<projection>.weight".
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) -> None:
+    """Load the checkpoint at ``path`` into ``model``; with ``prefix`` (e.g. ``"mtp."``),
+    only the tensors whose names start with it, named without it, and the rest skipped."""
+    files = safetensors_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_modules_mapping", {})
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding
+    # What the checkpoint must provide: a packed or stacked parameter names its pieces
+    # (shard_ids), any other is one whole tensor.
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
+    loaded: set[tuple[str, object]] = set()
+    config = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    vision_language = getattr(config, "vision_language", False)
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for ckpt_name in f.keys():
+                if prefix is not None:
+                    if not ckpt_name.startswith(prefix):
+                        continue
+                    text_name = ckpt_name[len(prefix):]
+                else:
+                    text_name = text_tensor_name(ckpt_name) if vision_language else ckpt_name
+                    if text_name is None or text_name.startswith(MTP_PREFIX):
+                        continue  # the vision tower or the multi-token-prediction head
+                if text_name.endswith(IGNORED_SUFFIXES) or (tied and text_name == "lm_head.weight"):
+                    continue
+                name, shard_id = _param_name_and_shard(text_name, packed, experts)
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {ckpt_name!r} in {file.name} has no place in {type(model).__name__}")
+                param = params[name]
+                tensor = f.get_tensor(ckpt_name).to(param.dtype)
+                try:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
+                loaded.add((name, shard_id))
+
+    whole = {n for n, s in loaded if s is None}  # a whole tensor covers all of its shards
+    missing = sorted(f"{prefix or ''}{n}[{s}]" if s is not None else f"{prefix or ''}{n}"
+                     for n, s in expected - loaded if n not in whole)
+    if missing:
+        raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
+
+
+def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
+    match = EXPERT_TENSOR.match(ckpt_name)
+    if match and match["proj"] in experts:
+        our_part, part = experts[match["proj"]]
+        return f"{match['prefix']}.{our_part}", (int(match["expert"]), part)
+    for ckpt_part, (our_part, shard_id) in packed.items():
+        if f".{ckpt_part}." in ckpt_name:
+            return ckpt_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
+    return ckpt_name, None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """Build the right model class for the checkpoint at ``path`` and load its weights."""
+    config = ModelConfig.from_pretrained(path)
+    model_class = get_model_class(config.architecture)
+    dtype = dtype or config.torch_dtype
+    with torch.device(device):
+        model = model_class(config)
+    model.to(dtype)
+    load_weights(model, path)
+    return model.eval()
