@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from minivllm.bench.throughput import speed_of_light
-from minivllm.engine.llm_engine import StepRecord
+from minivllm.engine.trace import StepRecord
 
 CONFIG = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=8, head_dim=16,
                          vocab_size=1000, hidden_size=64)
