@@ -53,6 +53,7 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
     rank keeps one, copied on world_size / num_kv_heads ranks: the head its query heads
     attend with (query head h uses KV head h // (num_heads / num_kv_heads)).
     """
+    # BEGIN SOLUTION ch16 kv_head_range
     if num_kv_heads >= world_size:
         return split_rows(num_kv_heads, rank, world_size)
     if world_size % num_kv_heads != 0:
@@ -60,6 +61,7 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
             f"num_key_value_heads ({num_kv_heads}) must divide tensor_parallel_size ({world_size}) when it is smaller"
         )
     return rank * num_kv_heads // world_size, 1
+    # END SOLUTION
 
 
 class Linear(nn.Module):
@@ -126,6 +128,7 @@ class PackedLinear(Linear):
         return {shard_id: (s.offset, s.size) for shard_id, s in self.shards.items()}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        # BEGIN SOLUTION ch16 packed_loader
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shards)}")
         shard = self.shards[shard_id]
@@ -134,6 +137,7 @@ class PackedLinear(Linear):
             name = "" if shard_id is None else f"shard {shard_id!r}: "
             raise ValueError(f"{name}expected shape {expected}, got {tuple(loaded_weight.shape)}")
         param.data.narrow(0, shard.offset, shard.size).copy_(loaded_weight.narrow(0, shard.start, shard.size))
+        # END SOLUTION
 
 
 class ColumnParallelLinear(PackedLinear):
@@ -157,6 +161,7 @@ class RowParallelLinear(Linear):
         self.tp_rank, self.tp_size, self.full_input_size = rank, world_size, input_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        # BEGIN SOLUTION ch16 row_parallel_loader
         if param is self.bias:  # the bias is not split: every rank holds all of it
             return default_weight_loader(param, loaded_weight)
         expected = (self.output_size, self.full_input_size)
@@ -164,12 +169,15 @@ class RowParallelLinear(Linear):
             raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
         start, size = split_rows(self.full_input_size, self.tp_rank, self.tp_size)
         param.data.copy_(loaded_weight.narrow(1, start, size))
+        # END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION ch16 row_parallel_forward
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
         y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+        # END SOLUTION
 
 
 def replicated_shards(sizes: dict) -> dict:

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
-# Fill in: split_rows (ch16).
+# Fill in: split_rows (ch16), kv_head_range (ch16), PackedLinear.weight_loader (ch16), RowParallelLinear.weight_loader (ch16), RowParallelLinear.forward (ch16).
 # Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -60,13 +60,14 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
     rank keeps one, copied on world_size / num_kv_heads ranks: the head its query heads
     attend with (query head h uses KV head h // (num_heads / num_kv_heads)).
     """
-    if num_kv_heads >= world_size:
-        return split_rows(num_kv_heads, rank, world_size)
-    if world_size % num_kv_heads != 0:
-        raise ValueError(
-            f"num_key_value_heads ({num_kv_heads}) must divide tensor_parallel_size ({world_size}) when it is smaller"
-        )
-    return rank * num_kv_heads // world_size, 1
+    raise NotImplementedError(
+        "ch16: kv_head_range: the key/value heads a rank keeps, as (first, count). With at least "
+        "as many KV heads as ranks, split them evenly like any rows. With fewer, each rank keeps "
+        "exactly one, shared by world_size / num_kv_heads neighbouring ranks: the one its own "
+        "query heads attend with (ranks are handed out in order, so rank r's head is r times "
+        "num_kv_heads divided by world_size, rounded down). When num_kv_heads does not divide "
+        "world_size, raise ValueError naming both, see notebooks/16_tensor_parallelism.ipynb"
+    )
 
 
 class Linear(nn.Module):
@@ -133,14 +134,15 @@ class PackedLinear(Linear):
         return {shard_id: (s.offset, s.size) for shard_id, s in self.shards.items()}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if shard_id not in self.shards:
-            raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shards)}")
-        shard = self.shards[shard_id]
-        expected = (shard.full_rows, *param.shape[1:])
-        if tuple(loaded_weight.shape) != expected:
-            name = "" if shard_id is None else f"shard {shard_id!r}: "
-            raise ValueError(f"{name}expected shape {expected}, got {tuple(loaded_weight.shape)}")
-        param.data.narrow(0, shard.offset, shard.size).copy_(loaded_weight.narrow(0, shard.start, shard.size))
+        raise NotImplementedError(
+            "ch16: PackedLinear.weight_loader: a checkpoint tensor of one shard (a projection such "
+            "as q, k or v) arrives whole; this rank keeps its own rows of it (the shard's start "
+            "and size) and writes them at the shard's offset in its packed matrix (the same for a "
+            "bias, whose rows are its only dimension). An unknown shard id, or a tensor whose rows "
+            "are not the shard's full rows (or whose other dimensions differ from the "
+            "parameter's), is a ValueError naming the shard and the shapes, see "
+            "notebooks/16_tensor_parallelism.ipynb"
+        )
 
 
 class ColumnParallelLinear(PackedLinear):
@@ -164,19 +166,22 @@ class RowParallelLinear(Linear):
         self.tp_rank, self.tp_size, self.full_input_size = rank, world_size, input_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if param is self.bias:  # the bias is not split: every rank holds all of it
-            return default_weight_loader(param, loaded_weight)
-        expected = (self.output_size, self.full_input_size)
-        if tuple(loaded_weight.shape) != expected:
-            raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
-        start, size = split_rows(self.full_input_size, self.tp_rank, self.tp_size)
-        param.data.copy_(loaded_weight.narrow(1, start, size))
+        raise NotImplementedError(
+            "ch16: RowParallelLinear.weight_loader: this rank keeps a slice of the input columns "
+            "of the full [output, input] weight, the slice split_rows gives for the full input "
+            "size; the bias is not split (every rank holds all of it, and loads it as any whole "
+            "tensor). A weight of another shape than the full one is a ValueError with the "
+            "expected and the given shapes, see notebooks/16_tensor_parallelism.ipynb"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = all_reduce(linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        raise NotImplementedError(
+            "ch16: RowParallelLinear.forward: each rank multiplies its slice of x by its columns "
+            "of W, a partial product; an all-reduce adds the ranks' partials into the full y on "
+            "every rank. With one rank it is the plain linear layer. Pitfall: the bias must be "
+            "added once, after the sum, not by every rank before it, see "
+            "notebooks/16_tensor_parallelism.ipynb"
+        )
 
 
 def replicated_shards(sizes: dict) -> dict:
