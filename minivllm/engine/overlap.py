@@ -22,6 +22,7 @@ class OverlappedStep:
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
+        # BEGIN SOLUTION ch17 overlapped_step
         engine = self.engine
         start = time.perf_counter()
         outputs = engine.before_schedule()
@@ -37,17 +38,22 @@ class OverlappedStep:
                 self.sample_deferred(launched)  # its grammars now know the tokens of `processed`
             engine.account(launched, processed, start)
         return outputs
+        # END SOLUTION
 
     def previous_tokens(self):
         """The step in flight's sampled tokens, on the device, and each sequence's row in them."""
+        # BEGIN SOLUTION ch17 previous_tokens
         if self.in_flight is None or self.in_flight.sampled is None:
             return None
         return self.in_flight.sampled.token_ids, self.in_flight.row_of()
+        # END SOLUTION
 
     def sample_deferred(self, step) -> None:
         """Sample a step whose forward pass went ahead of its token mask."""
+        # BEGIN SOLUTION ch17 sample_deferred
         logits, inputs = step.deferred
         step.deferred = None
         if logits is not None:
             step.sampled = self.engine.runner.sample(logits, inputs.params, inputs.generators, inputs.banned,
                                                      inputs.history, step.mask_later(step.requests))
+        # END SOLUTION
