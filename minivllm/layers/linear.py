@@ -128,7 +128,6 @@ class PackedLinear(Linear):
         return {shard_id: (s.offset, s.size) for shard_id, s in self.shards.items()}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        # BEGIN SOLUTION ch16 packed_loader
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shards)}")
         shard = self.shards[shard_id]
@@ -137,7 +136,6 @@ class PackedLinear(Linear):
             name = "" if shard_id is None else f"shard {shard_id!r}: "
             raise ValueError(f"{name}expected shape {expected}, got {tuple(loaded_weight.shape)}")
         param.data.narrow(0, shard.offset, shard.size).copy_(loaded_weight.narrow(0, shard.start, shard.size))
-        # END SOLUTION
 
 
 class ColumnParallelLinear(PackedLinear):
@@ -161,7 +159,6 @@ class RowParallelLinear(Linear):
         self.tp_rank, self.tp_size, self.full_input_size = rank, world_size, input_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        # BEGIN SOLUTION ch16 row_parallel_loader
         if param is self.bias:  # the bias is not split: every rank holds all of it
             return default_weight_loader(param, loaded_weight)
         expected = (self.output_size, self.full_input_size)
@@ -169,7 +166,6 @@ class RowParallelLinear(Linear):
             raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
         start, size = split_rows(self.full_input_size, self.tp_rank, self.tp_size)
         param.data.copy_(loaded_weight.narrow(1, start, size))
-        # END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # BEGIN SOLUTION ch16 row_parallel_forward

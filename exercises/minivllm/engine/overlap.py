@@ -27,19 +27,33 @@ class OverlappedStep:
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
+        engine = self.engine
+        start = time.perf_counter()
         raise NotImplementedError(
             "ch17: OverlappedStep.step: the synchronous step's three parts (schedule, execute, "
-            "update) in another order. Take the engine's outputs from before_schedule; schedule "
-            "the next batch and execute it at once (when there is one), its pending inputs read "
-            "from the step in flight's tokens on the device; only then take in the step that was "
-            "in flight (update), while the device computes the new one, which becomes the step in "
-            "flight. A newly launched step whose sampling was deferred (a grammar waits for the "
-            "tokens just taken in) is sampled now, after the update; then the engine accounts for "
-            "the launched and the processed step with the start time. Return the outputs: those of "
-            "the step taken in. Pitfall: updating before executing gives the same tokens but no "
-            "overlap; wrap the launch and the update in the profiler ranges minivllm.launch and "
-            "minivllm.process, see notebooks/17_async_scheduling.ipynb"
+            "update) in another order. Take the engine's outputs from before_schedule; launch the "
+            "next batch at once (when there is one), its pending inputs read from the step in "
+            "flight's tokens on the device; only then take in the step that was in flight "
+            "(update), while the device computes the new one, which becomes the step in flight. A "
+            "newly launched step whose sampling was deferred (a grammar waits for the tokens just "
+            "taken in) is sampled now, after the update; then the engine accounts for the launched "
+            "and the processed step with the start time. Return the outputs: those of the step "
+            "taken in. Pitfall: updating before executing gives the same tokens but no overlap. "
+            "The given launch and process methods schedule and execute the next batch, and take a "
+            "step in, see notebooks/17_async_scheduling.ipynb"
         )
+
+    def launch(self):
+        """Schedule the next batch and execute it, its pending inputs read from the step in
+        flight; the LaunchedStep, or None when there is nothing to run."""
+        with profiler_range("minivllm.launch"):
+            batch = self.engine.schedule()
+            return self.engine.execute(batch, self.previous_tokens()) if batch is not None else None
+
+    def process(self, step) -> list:
+        """Take in a launched step's tokens (waiting for them): its outputs; none for no step."""
+        with profiler_range("minivllm.process"):
+            return self.engine.update(step) if step is not None else []
 
     def previous_tokens(self):
         """The step in flight's sampled tokens, on the device, and each sequence's row in them."""

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
-# Fill in: split_rows (ch16), kv_head_range (ch16), PackedLinear.weight_loader (ch16), RowParallelLinear.weight_loader (ch16), RowParallelLinear.forward (ch16).
+# Fill in: split_rows (ch16), kv_head_range (ch16), RowParallelLinear.forward (ch16).
 # Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -134,15 +134,14 @@ class PackedLinear(Linear):
         return {shard_id: (s.offset, s.size) for shard_id, s in self.shards.items()}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError(
-            "ch16: PackedLinear.weight_loader: a checkpoint tensor of one shard (a projection such "
-            "as q, k or v) arrives whole; this rank keeps its own rows of it (the shard's start "
-            "and size) and writes them at the shard's offset in its packed matrix (the same for a "
-            "bias, whose rows are its only dimension). An unknown shard id, or a tensor whose rows "
-            "are not the shard's full rows (or whose other dimensions differ from the "
-            "parameter's), is a ValueError naming the shard and the shapes, see "
-            "notebooks/16_tensor_parallelism.ipynb"
-        )
+        if shard_id not in self.shards:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shards)}")
+        shard = self.shards[shard_id]
+        expected = (shard.full_rows, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
+            name = "" if shard_id is None else f"shard {shard_id!r}: "
+            raise ValueError(f"{name}expected shape {expected}, got {tuple(loaded_weight.shape)}")
+        param.data.narrow(0, shard.offset, shard.size).copy_(loaded_weight.narrow(0, shard.start, shard.size))
 
 
 class ColumnParallelLinear(PackedLinear):
@@ -166,13 +165,13 @@ class RowParallelLinear(Linear):
         self.tp_rank, self.tp_size, self.full_input_size = rank, world_size, input_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError(
-            "ch16: RowParallelLinear.weight_loader: this rank keeps a slice of the input columns "
-            "of the full [output, input] weight, the slice split_rows gives for the full input "
-            "size; the bias is not split (every rank holds all of it, and loads it as any whole "
-            "tensor). A weight of another shape than the full one is a ValueError with the "
-            "expected and the given shapes, see notebooks/16_tensor_parallelism.ipynb"
-        )
+        if param is self.bias:  # the bias is not split: every rank holds all of it
+            return default_weight_loader(param, loaded_weight)
+        expected = (self.output_size, self.full_input_size)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"expected shape {expected}, got {tuple(loaded_weight.shape)}")
+        start, size = split_rows(self.full_input_size, self.tp_rank, self.tp_size)
+        param.data.copy_(loaded_weight.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
