@@ -22,9 +22,9 @@ class OverlappedStep:
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
-        engine = self.engine
         start = time.perf_counter()
         # BEGIN SOLUTION ch17 overlapped_step
+        engine = self.engine
         outputs = engine.before_schedule()
         launched = self.launch()
         processed, self.in_flight = self.in_flight, launched

@@ -27,7 +27,6 @@ class OverlappedStep:
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
-        engine = self.engine
         start = time.perf_counter()
         raise NotImplementedError(
             "ch17: OverlappedStep.step: the synchronous step's three parts (schedule, execute, "
