@@ -187,6 +187,7 @@ class QKVLinear(PackedLinear):
     this rank's heads. ``num_heads`` and ``num_kv_heads`` are the heads this rank keeps."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        # BEGIN SOLUTION ch16 qkv_split
         rank, world_size = get_tp_rank(), get_tp_world_size()
         if num_heads % world_size != 0:
             raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
@@ -196,6 +197,7 @@ class QKVLinear(PackedLinear):
         kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
         super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
         self.num_heads, self.num_kv_heads = q_count, kv_count
+        # END SOLUTION
 
 
 class GateUpLinear(PackedLinear):

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
-# Fill in: split_rows (ch16), kv_head_range (ch16), RowParallelLinear.forward (ch16).
+# Fill in: split_rows (ch16), kv_head_range (ch16), RowParallelLinear.forward (ch16), QKVLinear.__init__ (ch16).
 # Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -194,15 +194,15 @@ class QKVLinear(PackedLinear):
     this rank's heads. ``num_heads`` and ``num_kv_heads`` are the heads this rank keeps."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        rank, world_size = get_tp_rank(), get_tp_world_size()
-        if num_heads % world_size != 0:
-            raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
-        q_first, q_count = split_rows(num_heads, rank, world_size)
-        kv_first, kv_count = kv_head_range(num_kv_heads, rank, world_size)
-        q_rows = (num_heads * head_dim, (q_first * head_dim, q_count * head_dim))
-        kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
-        super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
-        self.num_heads, self.num_kv_heads = q_count, kv_count
+        raise NotImplementedError(
+            "ch16: QKVLinear.__init__: this rank's share of the attention heads, as a packed layer "
+            "of three shards q, k and v. The query heads split evenly over the ranks (a head count "
+            "that the ranks do not divide is a ValueError naming both); the key/value heads as "
+            "kv_head_range says. Each shard is given as (the rows of the full projection, (this "
+            "rank's first row, its rows)), a head being head_dim rows; k and v take the same rows. "
+            "Record the heads this rank keeps as num_heads and num_kv_heads, see "
+            "notebooks/16_tensor_parallelism.ipynb"
+        )
 
 
 class GateUpLinear(PackedLinear):
