@@ -6,9 +6,16 @@ Gemma stores them, and far from it), in float32 and bfloat16 (Gemma rounds only 
 the very end: a norm that rounds earlier is off by a bf16 ulp somewhere). Your
 ``sliding_window_attention`` (exercises/minivllm/ops/attention.py) is checked against an
 explicitly masked softmax in float64 for random windows and lengths, as the tail of a
-longer sequence (a decode step or a chunk) and from its start. Finally a tiny Gemma 3
-(local layers with a window of 16 among global ones) must give transformers' logits on a
-prompt much longer than the window.
+longer sequence (a decode step or a chunk) and from its start.
+
+The main exercise is Gemma 3 itself, built from those pieces: its decoder layer
+(``Gemma3DecoderLayer``'s modules and its sandwich of norms, exercises/minivllm/models/gemma3.py),
+the local or global choice of every attention layer (``Qwen3Attention``, its RoPE base, scaling,
+window and logit scale, exercises/minivllm/models/qwen3.py), the scaled embeddings
+(``ScaledVocabEmbedding``, exercises/minivllm/layers/embed_head.py) and the final logit
+softcapping. Each is checked on its own, then a tiny Gemma 3 (local layers with a window of
+16 among global ones) must give transformers' logits on a prompt much longer than the window,
+with and without softcapping.
 """
 import pytest
 import torch
@@ -124,4 +131,123 @@ def test_gemma3_logits_match_transformers(tiny_gemma):
     with torch.no_grad(), torch_threads(1):
         logits = ours.compute_logits(ours(ids, torch.arange(70)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0,
+                               msg="a tiny Gemma 3 (layer, norms, local and global attention, scaled embeddings) "
+                                   "must give transformers' logits")
+
+
+def tiny_gemma_config(**overrides):
+    from minivllm.config import ModelConfig
+
+    hf = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=64, hidden_size=32,
+              intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=16, query_pre_attn_scalar=16,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              max_position_embeddings=64)
+    return ModelConfig.from_dict(hf | overrides)
+
+
+def test_ch11_gemma3_layer_has_the_checkpoints_modules():
+    from minivllm.models.gemma3 import Gemma3DecoderLayer
+
+    layer = Gemma3DecoderLayer(tiny_gemma_config(), 0)
+    names = {name for name, _ in layer.named_parameters()}
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        assert f"{norm}.weight" in names, f"a Gemma 3 layer has four norms, named as the checkpoint names them: {norm}"
+    from minivllm.layers.norm import GemmaRMSNorm
+
+    assert all(isinstance(getattr(layer, n), GemmaRMSNorm) for n in ("input_layernorm", "post_feedforward_layernorm")), (
+        "Gemma's norms scale by 1 + weight: GemmaRMSNorm, not RMSNorm")
+    assert isinstance(layer.self_attn.q_norm, GemmaRMSNorm) and isinstance(layer.self_attn.k_norm, GemmaRMSNorm), (
+        "the per-head q/k norm of Gemma 3 is Gemma's norm too")
+    assert layer.mlp.act_fn.activation == "gelu_tanh", "Gemma 3's feed-forward is GeGLU with gelu's tanh approximation"
+
+
+@pytest.mark.parametrize("layer_idx, local", [(0, True), (1, False), (2, True), (3, False)])
+def test_ch11_each_layer_is_local_or_global_as_layer_types_says(layer_idx, local):
+    from minivllm.layers.rotary import RotaryEmbedding
+    from minivllm.models.gemma3 import Gemma3DecoderLayer
+
+    config = tiny_gemma_config()
+    attn = Gemma3DecoderLayer(config, layer_idx).self_attn
+    window = attn.attn.sliding_window
+    assert window == (16 if local else None), (
+        f"layer {layer_idx} is {'local: a window of sliding_window' if local else 'global: no window'}, got {window}")
+    base = 10_000.0 if local else 1_000_000.0
+    ref = RotaryEmbedding(8, 64, base)
+    assert torch.allclose(attn.rotary_emb.cos_cache, ref.cos_cache), (
+        f"layer {layer_idx} must rotate with RoPE base {base:g} "
+        f"({'rope_local_theta' if local else 'rope_theta'})")
+    assert attn.attn.scale == pytest.approx(16 ** -0.5), "the logit scale is query_pre_attn_scalar ** -0.5 where it is set"
+
+
+def test_ch11_local_layers_default_base_and_no_scaling():
+    from minivllm.layers.rotary import RotaryEmbedding
+    from minivllm.models.gemma3 import Gemma3DecoderLayer
+
+    scaling = {"rope_type": "linear", "factor": 8.0}
+    config = tiny_gemma_config(rope_local_base_freq=None, rope_scaling=scaling, query_pre_attn_scalar=None)
+    local, glob = Gemma3DecoderLayer(config, 0).self_attn, Gemma3DecoderLayer(config, 1).self_attn
+    assert torch.allclose(local.rotary_emb.cos_cache, RotaryEmbedding(8, 64, 10_000.0).cos_cache), (
+        "a local layer without rope_local_theta rotates with base 10000, and never with the RoPE scaling")
+    assert torch.allclose(glob.rotary_emb.cos_cache, RotaryEmbedding(8, 64, 1_000_000.0, scaling=scaling).cos_cache), (
+        "a global layer rotates with rope_theta and the config's RoPE scaling")
+    assert local.attn.scale == pytest.approx(8 ** -0.5), "without query_pre_attn_scalar the scale is head_dim ** -0.5"
+
+
+def test_ch11_without_layer_types_every_layer_is_global():
+    from minivllm.models.gemma3 import Gemma3DecoderLayer
+
+    config = tiny_gemma_config(layer_types=None, sliding_window=None)
+    for i in range(4):
+        assert Gemma3DecoderLayer(config, i).self_attn.attn.sliding_window is None, (
+            "a config without layer_types has only global layers")
+
+
+@pytest.mark.parametrize("hidden", [32, 2048, 3840])
+def test_ch11_scaled_embedding_rounds_its_factor_to_the_weights_dtype(hidden):
+    from minivllm.layers.embed_head import ScaledVocabEmbedding
+
+    emb = ScaledVocabEmbedding(4, hidden).to(torch.bfloat16)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(4, hidden, generator=torch.Generator().manual_seed(hidden)))
+    out = emb(torch.tensor([0, 3]))
+    factor = torch.tensor(hidden**0.5, dtype=torch.float32).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16, "the embeddings stay in the weights' dtype"
+    assert torch.equal(out, emb.weight[[0, 3]] * factor), (
+        f"each row is multiplied by sqrt(hidden_size) rounded to bfloat16 first ({factor.item()}), "
+        f"as transformers does, not by {hidden ** 0.5}")
+
+
+def test_ch11_scaled_embedding_float32():
+    from minivllm.layers.embed_head import ScaledVocabEmbedding
+
+    emb = ScaledVocabEmbedding(5, 9)
+    ids = torch.tensor([4, 0, 4])
+    torch.testing.assert_close(emb(ids), emb.weight[ids] * 3.0, msg="an embedding row times sqrt(hidden_size)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_softcapped(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3cap"), family="gemma3", seed=5, sliding_window=8,
+                                final_logit_softcapping=0.5)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_ch11_gemma3_softcapped_logits_match_transformers(tiny_gemma_softcapped):
+    from minivllm.loader import load_model
+
+    path, hf = tiny_gemma_softcapped
+    ours = load_model(path)
+    ids = torch.randint(0, 512, (30,))
+    reset_context()
+    with torch.no_grad(), torch_threads(1):
+        logits = ours.compute_logits(ours(ids, torch.arange(30)), all_tokens=True)
+        last = ours.compute_logits(ours(ids, torch.arange(30)))
+        ref = hf(ids[None]).logits[0]
+    assert logits.abs().max() < 0.5, "softcapped logits lie strictly inside (-cap, cap)"
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0, msg="softcapping is tanh(logits / cap) * cap")
+    torch.testing.assert_close(last, ref[-1:], atol=1e-4, rtol=0, msg="the last token's logits are capped too")

@@ -8,8 +8,14 @@ weights sum to one; plain ones are the softmax probabilities themselves). Your
 routings (every assignment exactly once; each block one expert's, in expert and token
 order; idle experts take no block; padding holds the sentinel and stays under a block per
 expert), then it drives the fused Triton MoE kernel (in Triton's interpreter on the CPU)
-whose output must equal the reference loop over experts. Finally a tiny Qwen3-MoE must
-give transformers' logits.
+whose output must equal the reference loop over experts.
+
+The main exercise is the combine, ``experts_reference`` (exercises/minivllm/ops/moe.py):
+checked against a token-by-token spec written in the test (every token, every choice), on
+random routings with idle experts, with weights that differ per slot, in float32 and
+bfloat16; and the block's ``forward`` (exercises/minivllm/layers/moe.py), router, experts and
+the gated shared expert, against the same spec. Finally a tiny Qwen3-MoE must give
+transformers' logits.
 """
 import os
 import sys
@@ -162,6 +168,107 @@ def test_fused_kernel_with_your_grouping(tokens, experts, top_k):
     torch.testing.assert_close(out, experts_reference(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
+# --- the combine ------------------------------------------------------------------------------
+
+
+def combine_spec(x, w_gate_up, w_down, weights, ids):
+    """Token by token, choice by choice: what every token's output must be."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w_down.shape[2]
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w_gate_up[e].double() @ x[t].double()
+            y = w_down[e].double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:])
+            out[t] += float(weights[t, k]) * y
+    return out
+
+
+def random_experts(tokens, experts, top_k, hidden=16, inter=12, seed=0, idle=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w_down = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+    weights, ids = random_routing(tokens, experts, top_k, list(idle), g)
+    return x, w_gate_up, w_down, weights, ids
+
+
+@given(tokens=st.integers(1, 12), experts=st.integers(1, 8), top_k=st.integers(1, 3), idle=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_ch12_experts_reference_matches_the_spec(tokens, experts, top_k, idle, seed):
+    top_k = min(top_k, experts)
+    idle = range(min(idle, experts - top_k))
+    x, w_gate_up, w_down, weights, ids = random_experts(tokens, experts, top_k, seed=seed, idle=idle)
+    out = experts_reference(x, w_gate_up, w_down, weights, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype, "the combine returns [tokens, hidden] in x's dtype"
+    torch.testing.assert_close(out.double(), combine_spec(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5,
+                               msg="out[t] = sum over k of weight[t, k] * expert_{ids[t, k]}(x[t]), "
+                                   "each expert a SwiGLU: down @ (silu(gate @ x) * (up @ x))")
+
+
+def test_ch12_experts_reference_weights_each_slot_by_its_own_weight():
+    x, w_gate_up, w_down, _, _ = random_experts(3, 4, 2, seed=1)
+    ids = torch.tensor([[2, 0], [0, 2], [1, 3]])  # expert 0 and 2 chosen in the first slot by one token, second by another
+    weights = torch.tensor([[0.9, 0.1], [0.3, 0.7], [0.5, 0.5]])
+    torch.testing.assert_close(experts_reference(x, w_gate_up, w_down, weights, ids).double(),
+                               combine_spec(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5,
+                               msg="each (token, expert) row is weighted by the slot in which that token chose it")
+
+
+def test_ch12_experts_reference_an_expert_chosen_by_every_token_accumulates():
+    x, w_gate_up, w_down, _, _ = random_experts(5, 3, 1, seed=2)
+    ids = torch.zeros(5, 1, dtype=torch.long)
+    weights = torch.full((5, 1), 0.5)
+    out = experts_reference(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(out.double(), combine_spec(x, w_gate_up, w_down, weights, ids), atol=1e-5, rtol=1e-5,
+                               msg="all tokens on one expert: each token's row lands at its own index")
+    out2 = experts_reference(x, w_gate_up, w_down, torch.full((5, 2), 0.5), torch.tensor([[0, 1]] * 5))
+    spec2 = combine_spec(x, w_gate_up, w_down, torch.full((5, 2), 0.5), torch.tensor([[0, 1]] * 5))
+    torch.testing.assert_close(out2.double(), spec2, atol=1e-5, rtol=1e-5,
+                               msg="two experts' rows for the same token must add up, not overwrite each other")
+
+
+def test_ch12_experts_reference_idle_experts_and_bfloat16():
+    x, w_gate_up, w_down, weights, ids = random_experts(6, 5, 2, seed=3, idle=(0, 1, 2))
+    w_gate_up[:3] = float("nan")  # idle experts: their weights must not even be read
+    w_down[:3] = float("nan")
+    out = experts_reference(x, w_gate_up, w_down, weights, ids)
+    assert not out.isnan().any(), "an expert that no token chose is skipped: its weights are never read"
+    b = [t.to(torch.bfloat16) for t in (x, w_gate_up[3:], w_down[3:])]
+    out = experts_reference(b[0], b[1], b[2], weights, ids - 3)
+    assert out.dtype == torch.bfloat16, "a bfloat16 model's combine stays in bfloat16"
+    torch.testing.assert_close(out.double(), combine_spec(b[0], b[1], b[2], weights, ids - 3), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("shared", [0, 20])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_ch12_sparse_moe_block_forward(shared, renormalize):
+    from minivllm.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(5)
+    block = SparseMoeBlock(16, 6, 2, 12, renormalize, shared_expert_intermediate_size=shared)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        out = block(x)
+        probs = (x @ block.gate.weight.T).softmax(-1)
+        weights, ids = probs.topk(2, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        spec = combine_spec(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+        if shared:
+            mlp = block.shared_expert
+            gate, up = (x @ mlp.gate_up_proj.weight.T).chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
+            spec = spec + (torch.sigmoid(x @ block.shared_expert_gate.weight.T) * y).double()
+    assert out.shape == x.shape, "the block maps [tokens, hidden] to [tokens, hidden]"
+    what = "plus the shared expert, scaled per token by the sigmoid of its gate" if shared else "no shared expert"
+    torch.testing.assert_close(out.double(), spec, atol=1e-5, rtol=1e-5,
+                               msg=f"the block: route the gate's logits, combine the experts ({what})")
+
+
 # --- a whole Qwen3-MoE --------------------------------------------------------------------------
 
 
@@ -178,4 +285,5 @@ def test_qwen3_moe_logits_match_transformers(tmp_path):
     with torch.no_grad(), torch_threads(1):
         logits = ours.compute_logits(ours(ids, torch.arange(30)), all_tokens=True)
         ref = hf(ids[None]).logits[0]
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0,
+                               msg="a tiny Qwen3-MoE (router, experts, combine) must give transformers' logits")

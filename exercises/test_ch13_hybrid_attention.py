@@ -11,6 +11,12 @@ random Qwen3.5 (three Gated DeltaNet layers, one full-attention layer) on your t
 functions, whose decode and prefill paths call exactly them on the CPU: a batch of prompts
 prefilled in chunks over several steps beside decodes must give transformers' greedy
 tokens, and log-probabilities within 1e-4 of transformers' at every generated token.
+
+Around them, the rest of the unit: ``prepare_qk`` (grouped heads, unit-length queries and
+keys, the queries scaled), ``_recurrence`` (the token loop behind
+``recurrent_gated_delta_rule`` and ``gated_delta_states``, the states a verifying step keeps)
+and ``chunk_gated_delta_rule`` (a sequence in chunks, the state carried from one to the next),
+each against the same written-out rule, at chunk boundaries and with a last partial chunk.
 """
 import pytest
 import torch
@@ -18,7 +24,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.ops.gated_delta import causal_conv1d, gated_delta_chunk, gated_delta_step
+from minivllm.ops.gated_delta import (causal_conv1d, chunk_gated_delta_rule, gated_delta_chunk, gated_delta_states,
+                                      gated_delta_step, prepare_qk, recurrent_gated_delta_rule)
 from minivllm.testing import make_tiny_checkpoint, torch_threads
 
 
@@ -122,6 +129,57 @@ def test_ch13_gated_delta_chunk_under_strong_decay(seed, length, heads, dk, dv):
     out, final = gated_delta_chunk(q, k, v, g, beta, state.clone())
     assert torch.isfinite(out).all() and torch.isfinite(final).all(), (
         f"inf or NaN with a strong decay over {length} tokens: mask the log-decay before exp")
+    assert_matches_recurrence(out, final, q, k, v, g, beta, state)
+
+
+# --- the rest of the unit -------------------------------------------------------------
+
+
+def test_ch13_prepare_qk_groups_normalises_and_scales():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 8, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    k = torch.randn(5, 2, 8, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    qp, kp = prepare_qk(q, k, num_v_heads=6)
+    assert qp.shape == (5, 6, 8) and kp.shape == (5, 6, 8), "one query and one key per value head: [T, Hv, dk]"
+    assert qp.dtype == torch.float32 and kp.dtype == torch.float32, "the rule runs in float32"
+    for h in range(6):
+        src = h // 3
+        ref_k = k[:, src].float() / (k[:, src].float().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        torch.testing.assert_close(kp[:, h], ref_k, atol=1e-5, rtol=1e-5,
+                                   msg=f"value head {h} reads key head {src} (groups of neighbours), at unit length")
+        ref_q = q[:, src].float() / (q[:, src].float().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * 8**-0.5
+        torch.testing.assert_close(qp[:, h], ref_q, atol=1e-5, rtol=1e-5,
+                                   msg=f"value head {h}: its query at unit length, then scaled by dk ** -0.5")
+
+
+def test_ch13_prepare_qk_one_head_per_value_head():
+    q, k = torch.randn(3, 4, 2), torch.randn(3, 4, 2)
+    qp, kp = prepare_qk(q, k, num_v_heads=4)
+    torch.testing.assert_close(kp.norm(dim=-1), torch.ones(3, 4), msg="keys at unit length (eps inside the root)")
+    torch.testing.assert_close(qp.norm(dim=-1), torch.full((3, 4), 2**-0.5), msg="queries at length dk ** -0.5")
+
+
+@given(seed=st.integers(0, 2**16), length=st.integers(1, 9), heads=st.integers(1, 2), dk=st.integers(1, 6),
+       dv=st.integers(1, 6))
+def test_ch13_recurrent_rule_and_kept_states(seed, length, heads, dk, dv):
+    q, k, v, g, beta, state = rule_inputs(seed, length, heads, dk, dv)
+    out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
+    assert out.shape == (length, heads, dv), "the recurrence returns one output per token: [T, H, dv]"
+    assert_matches_recurrence(out, final, q, k, v, g, beta, state)
+    states = gated_delta_states(q, k, v, g, beta, state.clone())
+    for h in range(heads):
+        s = state[h]
+        for t in range(length):
+            _, s = one_step(s, q[t, h], k[t, h], v[t, h], g[t, h], beta[t, h])
+            torch.testing.assert_close(states[t, h], s, atol=1e-4, rtol=1e-4,
+                                       msg=f"the state kept after token {t} (head {h}) is the state *after* that token")
+
+
+@pytest.mark.parametrize("length, chunk", [(1, 4), (4, 4), (5, 4), (11, 4), (12, 3), (7, 1), (20, 64)])
+def test_ch13_chunked_rule_carries_the_state_across_chunks(length, chunk):
+    q, k, v, g, beta, state = rule_inputs(length * 7 + chunk, length, 2, 5, 3)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=chunk)
+    assert out.shape == (length, 2, 3) and out.dtype == torch.float32, "outputs: float32, shaped like v"
     assert_matches_recurrence(out, final, q, k, v, g, beta, state)
 
 

@@ -9,6 +9,13 @@ and chat alike; bad values must come back as 400s naming the field. Your ``_disp
 the abort in ``generate`` (exercises/minivllm/server/async_engine.py) are checked on a tiny
 model: concurrent callers get exactly the offline engine's tokens, and a caller that stops
 early (closes its iterator, or is cancelled, even twice) leaves the KV pool entirely free.
+
+The main exercise is the streaming handler, ``stream_events``
+(exercises/minivllm/server/streaming.py), driven here by fake cumulative outputs: each event
+carries only what is new, a finish without a new token is sent once, choices of n
+completions and several prompts keep their own indexes, the last chunk, the usage and
+[DONE] go in one write, and a failed request or a dead engine ends the stream with an
+error event before [DONE].
 """
 import asyncio
 import json
@@ -273,3 +280,140 @@ def test_ch14_a_caller_cancelled_twice_still_frees_its_blocks(llm):
 
     with torch_threads(1):
         asyncio.run(run())
+
+
+# --- the streaming handler ------------------------------------------------------------
+
+
+def _out(text, tokens, finish=None, index=0, prompt=(1, 2, 3), cached=0):
+    return CompletionOutput(index=index, text=text, token_ids=list(tokens), finish_reason=finish)
+
+
+def _request(*completions, finished=False, prompt=(1, 2, 3), cached=0):
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=list(prompt), outputs=list(completions),
+                         finished=finished, num_cached_tokens=cached)
+
+
+async def _outputs(items):
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+        await asyncio.sleep(0)
+        yield item
+
+
+def _choice(index, output, c, text_sent, tokens_sent):
+    """A minimal choice: what is new since the counts sent."""
+    return {"index": index, "text": c.text[text_sent:], "tokens": c.token_ids[tokens_sent:],
+            "finish_reason": c.finish_reason}
+
+
+class _Options:
+    def __init__(self, include_usage):
+        self.include_usage = include_usage
+
+
+def run_stream(streams, include_usage=None, n=1, first=None) -> list[str]:
+    """The raw writes of stream_events over fake outputs, one string per write."""
+    from minivllm.server.streaming import stream_events
+
+    options = None if include_usage is None else _Options(include_usage)
+
+    async def collect():
+        writes = []
+        gen = stream_events([_outputs(s) for s in streams], {"id": "x"}, _choice, options, first=first, n=n)
+        async for w in gen:
+            writes.append(w)
+        return writes
+
+    return asyncio.run(collect())
+
+
+def payloads_of(writes):
+    out = []
+    for w in writes:
+        for event in w.split("\n\n")[:-1]:
+            body = event[len("data: "):]
+            out.append(body if body == "[DONE]" else json.loads(body))
+    return out
+
+
+def test_ch14_stream_sends_only_what_is_new():
+    stream = [_request(_out("He", [1])), _request(_out("Hello", [1, 2])),
+              _request(_out("Hello world", [1, 2, 3], "stop"), finished=True)]
+    events = payloads_of(run_stream([stream]))
+    assert events[-1] == "[DONE]", "the stream ends with [DONE]"
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["He", "llo", " world"], f"each event carries the text new since the last one, got {texts}"
+    tokens = [e["choices"][0]["tokens"] for e in events[:-1]]
+    assert tokens == [[1], [2], [3]], f"and only the new tokens, got {tokens}"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop", "the last chunk carries the finish_reason"
+    assert all(e["id"] == "x" for e in events[:-1]), "every chunk carries the head's fields"
+
+
+def test_ch14_last_chunk_usage_and_done_go_in_one_write():
+    stream = [_request(_out("a", [5])), _request(_out("ab", [5, 6], "length"), finished=True, cached=2)]
+    writes = run_stream([stream], include_usage=True)
+    assert len(writes) == 2, f"one write per output, the last holding the end of the stream: got {len(writes)} writes"
+    last = payloads_of(writes[-1:])
+    assert len(last) == 3 and last[-1] == "[DONE]", "the last write: the last chunk, the usage, then [DONE]"
+    assert last[1]["choices"] == [] and last[1]["usage"]["completion_tokens"] == 2, (
+        "the usage event has no choices and counts every completion token")
+    assert last[1]["usage"]["prompt_tokens"] == 3 and last[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert "usage" not in json.dumps(payloads_of(run_stream([stream], include_usage=False))[:-1]), (
+        "no usage event unless stream_options asks for it")
+    assert "usage" not in json.dumps(payloads_of(run_stream([stream]))[:-1]), "no stream_options: no usage event"
+
+
+def test_ch14_a_finish_without_a_new_token_is_sent_once():
+    stream = [_request(_out("ab", [1, 2])), _request(_out("ab", [1, 2])),
+              _request(_out("ab", [1, 2], "stop"), finished=True)]
+    events = payloads_of(run_stream([stream]))
+    assert len(events) == 3, f"an output with nothing new sends no event; its finish does: got {events}"
+    assert events[1]["choices"] == [{"index": 0, "text": "", "tokens": [], "finish_reason": "stop"}], (
+        "a completion that finished without a new token still gets its chunk, with the finish_reason")
+
+
+def test_ch14_n_completions_and_several_prompts_get_their_own_indexes():
+    a = [_request(_out("x", [1], index=0), _out("y", [2], index=1)),
+         _request(_out("x", [1], "stop", index=0), _out("yz", [2, 3], index=1)),
+         _request(_out("x", [1], "stop", index=0), _out("yz!", [2, 3, 4], "stop", index=1), finished=True)]
+    b = [_request(_out("p", [9], index=0), _out("q", [8], "stop", index=1)),
+         _request(_out("pp", [9, 9], "stop", index=0), _out("q", [8], "stop", index=1), finished=True)]
+    events = payloads_of(run_stream([a, b], n=2, include_usage=True))
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 3 + 1 + 2 + 1, (
+        "the usage sums the last output of every prompt")
+    by_index: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    for e in events[:-2]:
+        assert e["choices"], "no event without a choice"
+        for c in e["choices"]:
+            by_index[c["index"]] = by_index.get(c["index"], "") + c["text"]
+            finishes[c["index"]] = finishes.get(c["index"], 0) + (c["finish_reason"] is not None)
+    assert by_index == {0: "x", 1: "yz!", 2: "pp", 3: "q"}, f"choice index = prompt * n + completion, got {by_index}"
+    assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}, f"each choice's finish_reason is sent exactly once, got {finishes}"
+
+
+def test_ch14_a_failed_request_ends_with_an_error_event():
+    from minivllm.server.async_engine import EngineDeadError, RequestFailedError
+
+    stream = [_request(_out("a", [1])), RequestFailedError("boom")]
+    events = payloads_of(run_stream([stream]))
+    assert events[-1] == "[DONE]", "an error event is still followed by [DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "boom" in error["message"], (
+        "a request the engine failed ends with an error event of type server_error naming the failure")
+    events = payloads_of(run_stream([[EngineDeadError("engine died")]]))
+    assert events[-2]["error"]["message"] == "engine died" and events[-1] == "[DONE]", (
+        "a dead engine ends the stream with its message, then [DONE]")
+
+
+def test_ch14_outputs_that_run_out_still_end_the_stream():
+    stream = [_request(_out("a", [1])), _request(_out("ab", [1, 2]))]
+    events = payloads_of(run_stream([stream], include_usage=True))
+    assert events[-1] == "[DONE]", "outputs that end without a finished one still end with [DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 2, "with the usage of the last outputs, when asked"
+    assert payloads_of(run_stream([[]], include_usage=True)) == ["[DONE]"], (
+        "no output at all: no usage to give, only [DONE]")
+    first = payloads_of(run_stream([stream], first=[{"index": 0, "role": "assistant"}]))
+    assert first[0]["choices"] == [{"index": 0, "role": "assistant"}], "the first chunk given goes out first"

@@ -9,7 +9,14 @@ does between real processes). Exact examples, then properties over random sizes:
 the ranks' slices tile the dimension in rank order; a column-parallel then a row-parallel
 layer give the full matmul; query heads and their KV head land on the same rank; each
 token's embedding row comes from exactly one rank, padding rows included.
+
+The main exercise is the sharded linear layers themselves (exercises/minivllm/layers/linear.py):
+which KV heads a rank keeps (``kv_head_range``), the loaders that cut a checkpoint tensor
+into this rank's rows (``PackedLinear.weight_loader``) or columns
+(``RowParallelLinear.weight_loader``), and the row-parallel forward, whose all-reduce is
+replaced here by one that hands back the sum of the ranks' partial products.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -88,3 +95,81 @@ def test_ch16_every_token_comes_from_exactly_one_rank(vocab, world_size, num_ids
         total += rows
     assert torch.equal(total, F.embedding(ids, table)), (
         f"vocabulary {vocab} over {world_size} ranks: the ranks' lookups must add up to the full embedding")
+
+
+# --- the sharded layers ---------------------------------------------------------------
+
+
+def test_ch16_kv_head_range_examples():
+    assert [kv_head_range(8, r, 4) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)], (
+        "at least as many KV heads as ranks: split evenly, in rank order")
+    assert [kv_head_range(2, r, 8) for r in range(8)] == [(0, 1)] * 4 + [(1, 1)] * 4, (
+        "fewer KV heads than ranks: one each, neighbouring ranks sharing it")
+    assert [kv_head_range(4, r, 4) for r in range(4)] == [(r, 1) for r in range(4)], "one KV head per rank"
+    assert kv_head_range(1, 3, 4) == (0, 1), "a single KV head is copied on every rank"
+    with pytest.raises(ValueError, match="3"):
+        kv_head_range(3, 0, 4)
+
+
+def test_ch16_packed_loader_keeps_this_ranks_rows_at_the_shards_offset():
+    hidden, d, heads, kv = 4, 2, 4, 2
+    q, k, v = torch.randn(heads * d, hidden), torch.randn(kv * d, hidden), torch.randn(kv * d, hidden)
+    with as_rank(1, 2):
+        qkv = QKVLinear(hidden, d, heads, kv, bias=True)
+    for name, w in (("q", q), ("k", k), ("v", v)):
+        qkv.weight_loader(qkv.weight, w, name)
+        qkv.weight_loader(qkv.bias, w[:, 0], name)
+    expected = torch.cat([q[4:8], k[2:4], v[2:4]])
+    assert torch.equal(qkv.weight, expected), "rank 1 of 2 keeps q heads 2-3, kv head 1: [q rows | k rows | v rows]"
+    assert torch.equal(qkv.bias, expected[:, 0]), "a bias is split by the same rows"
+    with pytest.raises(ValueError, match="'x'"):
+        qkv.weight_loader(qkv.weight, q, "x")
+    with pytest.raises(ValueError, match="expected shape"):
+        qkv.weight_loader(qkv.weight, q[:-1], "q")
+    with pytest.raises(ValueError, match="expected shape"):
+        qkv.weight_loader(qkv.weight, torch.randn(heads * d, hidden + 1), "q")
+
+
+def test_ch16_row_parallel_loader_keeps_this_ranks_columns():
+    w, b = torch.randn(3, 8), torch.randn(3)
+    for rank in range(4):
+        with as_rank(rank, 4):
+            row = RowParallelLinear(8, 3, bias=True)
+        row.weight_loader(row.weight, w)
+        row.weight_loader(row.bias, b)
+        assert torch.equal(row.weight, w[:, 2 * rank : 2 * rank + 2]), f"rank {rank} of 4 keeps input columns of its slice"
+        assert torch.equal(row.bias, b), "every rank holds the whole bias"
+    with pytest.raises(ValueError, match="expected shape"):
+        row.weight_loader(row.weight, w[:, :6])
+
+
+def test_ch16_row_parallel_forward_all_reduces_then_adds_the_bias(monkeypatch):
+    import minivllm.layers.linear as linear_module
+
+    w, b, x = torch.randn(3, 8), torch.randn(3), torch.randn(5, 8)
+    layers = []
+    for rank in range(2):
+        with as_rank(rank, 2):
+            row = RowParallelLinear(8, 3, bias=True)
+        row.weight_loader(row.weight, w)
+        row.weight_loader(row.bias, b)
+        layers.append(row)
+    partials = [F.linear(x[:, 4 * r : 4 * r + 4], layers[r].weight) for r in range(2)]
+    reduced = []
+
+    def fake_all_reduce(t):  # what the collective gives every rank: the sum of the partials
+        reduced.append(t.clone())
+        return sum(partials).clone()
+
+    monkeypatch.setattr(linear_module, "all_reduce", fake_all_reduce)
+    for r, row in enumerate(layers):
+        y = row(x[:, 4 * r : 4 * r + 4])
+        assert len(reduced) == r + 1, "a row-parallel layer of several ranks all-reduces its partial product"
+        torch.testing.assert_close(reduced[-1], partials[r], msg="each rank all-reduces its own partial, without the bias")
+        torch.testing.assert_close(y, x @ w.T + b, msg="after the sum, the bias is added once")
+    with as_rank(0, 1):
+        one = RowParallelLinear(8, 3, bias=True)
+    one.weight_loader(one.weight, w)
+    one.weight_loader(one.bias, b)
+    torch.testing.assert_close(one(x), x @ w.T + b, msg="one rank: the plain linear layer")
+    assert len(reduced) == 2, "one rank has nobody to all-reduce with"

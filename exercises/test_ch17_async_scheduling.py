@@ -224,3 +224,130 @@ def test_ch17_no_step_is_wasted_when_max_tokens_is_known(tiny_qwen3):
             "when the pending token is its last)" if extra and not missing else "it was left out of a step it needed "
             "(last_token_pending was True too early)"))
     assert asyn.num_steps == sync.num_steps
+
+
+# --- the overlapped step, on a fake engine ---------------------------------------------
+
+
+class _Sampled:
+    def __init__(self, name):
+        self.token_ids = f"tokens of {name}"
+
+
+class _Launched:
+    def __init__(self, name, deferred=False):
+        self.name = name
+        self.sampled = None if deferred else _Sampled(name)
+        self.deferred = (f"logits of {name}", _Inputs()) if deferred else None
+        self.requests = [f"request of {name}"]
+
+    def row_of(self):
+        return {7: self.name}
+
+    def mask_later(self, requests):
+        return f"masks for {requests}"
+
+
+class _Inputs:
+    params, generators, banned, history = "params", "generators", "banned", "history"
+
+
+class _FakeEngine:
+    """Records the order of the engine's calls; batches are names, launched steps _Launched."""
+
+    def __init__(self, batches, deferred=()):
+        self.batches = list(batches)
+        self.deferred = set(deferred)
+        self.calls = []
+        self.runner = self
+
+    def before_schedule(self):
+        self.calls.append("before_schedule")
+        return ["early output"]
+
+    def schedule(self):
+        batch = self.batches.pop(0) if self.batches else None
+        self.calls.append(("schedule", batch))
+        return batch
+
+    def execute(self, batch, previous):
+        self.calls.append(("execute", batch, previous))
+        return _Launched(batch, deferred=batch in self.deferred)
+
+    def update(self, step):
+        self.calls.append(("update", step.name))
+        return [f"output of {step.name}"]
+
+    def account(self, launched, processed, start):
+        self.calls.append(("account", launched.name, processed and processed.name, isinstance(start, float)))
+
+    def sample(self, logits, params, generators, banned, history, masks):
+        self.calls.append(("sample", logits, params, generators, banned, history, masks))
+        return _Sampled("deferred")
+
+
+def _overlapped(engine):
+    from minivllm.engine.overlap import OverlappedStep
+
+    return OverlappedStep(engine)
+
+
+def test_ch17_overlapped_step_launches_the_next_step_before_taking_in_the_last():
+    engine = _FakeEngine(["A", "B"])
+    step = _overlapped(engine)
+    assert step.step() == ["early output"], "the first step launches A and has nothing to take in yet"
+    assert ("execute", "A", None) in engine.calls, "nothing in flight: the first step reads no previous tokens"
+    assert step.in_flight is not None and step.in_flight.name == "A", "A is now the step in flight"
+    engine.calls.clear()
+    out = step.step()
+    assert out == ["early output", "output of A"], f"the second step returns A's outputs (taken in), got {out}"
+    kinds = [c if isinstance(c, str) else c[0] for c in engine.calls]
+    assert kinds.index("execute") < kinds.index("update"), (
+        "B must be launched before A is taken in: that is the overlap (updating first gives the same tokens, "
+        "but the device waits for the host)")
+    assert ("execute", "B", ("tokens of A", {7: "A"})) in engine.calls, (
+        "B's pending inputs read the step in flight's sampled tokens and each sequence's row (row_of)")
+    assert ("account", "B", "A", True) in engine.calls, "the engine accounts for the launched and the processed step"
+    assert step.in_flight.name == "B", "B is in flight after the step"
+
+
+def test_ch17_overlapped_step_drains_when_nothing_is_scheduled():
+    engine = _FakeEngine(["A"])
+    step = _overlapped(engine)
+    step.step()
+    engine.calls.clear()
+    out = step.step()
+    assert out == ["early output", "output of A"], "with nothing to schedule, the step still takes in A"
+    assert not any(c[0] == "execute" for c in engine.calls if isinstance(c, tuple)), "no batch: nothing to execute"
+    assert not any(c[0] == "account" for c in engine.calls if isinstance(c, tuple)), "nothing launched: nothing to account"
+    assert step.in_flight is None, "nothing is in flight once the last step is taken in"
+    assert step.previous_tokens() is None, "nothing in flight: no previous tokens"
+    assert step.step() == ["early output"], "an idle engine returns only the early outputs"
+
+
+def test_ch17_a_deferred_step_is_sampled_after_the_update():
+    engine = _FakeEngine(["A", "B", "C"], deferred={"B"})
+    step = _overlapped(engine)
+    step.step()
+    engine.calls.clear()
+    step.step()
+    kinds = [c if isinstance(c, str) else c[0] for c in engine.calls]
+    assert "sample" in kinds and kinds.index("update") < kinds.index("sample"), (
+        "a step whose grammar waits for the tokens in flight is sampled only after they are taken in")
+    assert engine.calls[kinds.index("sample")] == ("sample", "logits of B", "params", "generators", "banned", "history",
+                                                   "masks for ['request of B']"), (
+        "sample the deferred logits with the step's inputs and the masks its requests give now")
+    assert step.in_flight.deferred is None, "the deferred step's inputs are cleared: it is sampled once"
+    assert step.in_flight.sampled.token_ids == "tokens of deferred", "its sampled tokens are stored on the step"
+    engine.calls.clear()
+    step.step()
+    assert ("execute", "C", ("tokens of deferred", {7: "B"})) in engine.calls, (
+        "the next step reads the deferred step's tokens")
+
+
+def test_ch17_previous_tokens_of_a_step_not_yet_sampled():
+    step = _overlapped(_FakeEngine([]))
+    step.in_flight = _Launched("X", deferred=True)
+    assert step.previous_tokens() is None, "a step in flight that sampled nothing yet has no tokens to read"
+    step.in_flight = _Launched("Y")
+    assert step.previous_tokens() == ("tokens of Y", {7: "Y"})

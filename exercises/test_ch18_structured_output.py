@@ -96,3 +96,43 @@ def test_choice_constraint_agrees_with_xgrammar_on_the_bundled_vocabulary():
         assert torch.equal(by_hand.mask(generated), unpack_bitmask(fill_bitmask([state], size), size)[0])
         assert state.accept(token)
         generated += vocab[token]
+
+
+# --- the choice constraint, whole: tries, walk, mask -------------------------------------
+
+
+def test_ch18_build_trie_shares_prefixes_and_keeps_every_id():
+    root = build_trie([b"ab", b"a", b"ab", b"", b"b"], [10, 11, 12, 13, 14])
+    assert sorted(root.children) == [ord("a"), ord("b")], "one child per first byte: prefixes are shared"
+    a = root.children[ord("a")]
+    assert a.is_end and a.token_ids == [11], "a string's last node is an end and keeps its id"
+    ab = a.children[ord("b")]
+    assert ab.is_end and ab.token_ids == [10, 12], "two tokens that spell the same bytes are both kept, in order"
+    assert not root.is_end and root.token_ids == [], "an empty string spells nothing: the root stays no end"
+    plain = build_trie([b"xy"])
+    node = plain.children[ord("x")]
+    assert not node.is_end and node.children[ord("y")].is_end, "only the node where a string ends is an end"
+    assert node.children[ord("y")].token_ids == [], "without token_ids no id is recorded"
+
+
+def test_ch18_walk_follows_bytes_and_falls_off():
+    root = build_trie([b"abc"])
+    assert walk(root, b"") is root, "no bytes: stay where you are"
+    assert walk(root, b"ab") is root.children[ord("a")].children[ord("b")], "each byte one child down"
+    assert walk(root, b"abd") is None, "a byte with no child leaves the trie: None"
+    assert walk(root, b"abcd") is None, "past the end: None"
+    assert walk(None, b"a") is None, "from outside the trie, still outside"
+
+
+def test_ch18_choice_constraint_allows_the_stop_token_only_at_a_whole_choice():
+    vocab = [b"<s>", b"y", b"ye", b"yes", b"s", b"n", b"no", b"o", b""]
+    c = ChoiceConstraint(["yes", "no", "yesno"], vocab, stop_token_id=0)
+    assert c.allowed(b"") == [1, 2, 3, 5, 6], "at the start: every token that starts a choice (not the empty one)"
+    assert c.allowed(b"ye") == [4], "inside a choice: only what continues it"
+    assert sorted(c.allowed(b"yes")) == [0, 5, 6], "a whole choice that may go on: its continuations and the stop token"
+    assert c.allowed(b"no") == [0], "a whole choice that ends: only the stop token"
+    assert c.allowed(b"x") == [], "an output that left every choice allows nothing"
+    mask = c.mask(b"yes")
+    assert mask.dtype == torch.bool and mask.shape == (len(vocab),), "the mask: [vocab] booleans"
+    assert mask.nonzero().flatten().tolist() == [0, 5, 6], "True exactly at the allowed tokens"
+    assert not c.mask(b"x").any(), "nothing allowed: an all-False mask"

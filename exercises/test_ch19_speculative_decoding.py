@@ -195,3 +195,114 @@ def test_ch19_your_proposer_in_the_engine(tiny_qwen3):
     for w, o in zip(want, got):
         assert o.outputs[0].token_ids == w.outputs[0].token_ids
     assert spec.engine.stats["spec_accepted_tokens"] > 0, "no draft was accepted on prompts that repeat themselves"
+
+
+# --- verification: num_accepted and after_sample ------------------------------------------
+
+
+@pytest.mark.parametrize("drafts, sampled, want, why", [
+    ([], [7], 0, "no drafts: nothing to accept"),
+    ([1, 2, 3], [1, 2, 3, 4], 3, "every draft confirmed: all accepted (the bonus 4 is never compared)"),
+    ([1, 2, 3], [1, 9, 3, 4], 1, "stop at the first mismatch, even if a later draft matches"),
+    ([1, 2, 3], [5, 2, 3, 4], 0, "the first draft rejected: none accepted"),
+    ([4, 4], [4, 4, 4], 2, "repeated tokens"),
+])
+def test_ch19_num_accepted(drafts, sampled, want, why):
+    from minivllm.spec_decode.verify import num_accepted
+
+    assert num_accepted(drafts, sampled) == want, why
+
+
+class _Seq:
+    def __init__(self, computed, finished=False, slot=None):
+        self.num_computed_tokens, self.is_finished, self.state_slot = computed, finished, slot
+
+
+class _Request:
+    def __init__(self, seq):
+        self.seq = seq
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_steps = 0
+
+
+class _Step:
+    def __init__(self, requests, drafts, first_rows):
+        self.requests, self.drafts, self.first_rows = requests, drafts, first_rows
+        self.accepted = [None] * len(requests)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def shrink(self, seq, num_tokens):
+        self.calls.append(("shrink", seq, num_tokens))
+
+    def keep_accepted_states(self, slots, accepted):
+        self.calls.append(("keep", slots, accepted))
+
+
+def _speculation():
+    from minivllm.spec_decode.feature import Speculation
+
+    recorder = _Recorder()
+    stats = {}
+    spec = Speculation(proposer=None, num_speculative_tokens=3, max_model_len=100, scheduler=None,
+                       block_manager=recorder, runner=recorder, state_of=None, stats=stats)
+    return spec, recorder, stats
+
+
+class _Sampled:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+def test_ch19_after_sample_accepts_rolls_back_and_counts():
+    spec, recorder, stats = _speculation()
+    a, b, c = _Seq(13), _Seq(20), _Seq(8)
+    ra, rb, rc = _Request(a), _Request(b), _Request(c)
+    # rows: a's 4 (3 drafts), b's 1 (no drafts), c's 3 (2 drafts)
+    step = _Step([ra, rb, rc], [[5, 6, 7], [], [8, 9]], [0, 4, 5])
+    sampled = _Sampled([5, 6, 1, 2, 30, 8, 9, 4])
+    assert spec.after_sample(step, sampled, None) == [], "after_sample has no outputs of its own"
+    assert step.accepted == [2, 0, 2], f"a accepts 5, 6 (not 7); b has no drafts; c accepts both: got {step.accepted}"
+    assert a.num_computed_tokens == 12, "a's one rejected draft is taken back from its computed tokens"
+    assert c.num_computed_tokens == 8 and b.num_computed_tokens == 20, "nothing rejected: nothing taken back"
+    assert ("shrink", a, 13) in recorder.calls, "a gives back the blocks past its tokens plus the one this step appends"
+    assert ("shrink", c, 9) in recorder.calls, "every request with drafts shrinks to its tokens plus one"
+    assert not any(call[1] is b for call in recorder.calls), "a request without drafts is left alone"
+    assert (ra.num_draft_tokens, ra.num_accepted_tokens, ra.num_spec_steps) == (3, 2, 1), "the request's own counts"
+    assert (rb.num_draft_tokens, rb.num_spec_steps) == (0, 0), "no drafts: no verifying step counted"
+    assert stats == {"spec_draft_tokens": 5, "spec_accepted_tokens": 4, "spec_verify_steps": 2}, (
+        f"the engine's counts over the step: 5 drafts, 4 accepted, 2 verifying sequences; got {stats}")
+    assert not any(call[0] == "keep" for call in recorder.calls), "no state slots: no states to put back"
+
+
+def test_ch19_after_sample_finished_sequences_and_hybrid_states():
+    spec, recorder, stats = _speculation()
+    done, hyb1, hyb2 = _Seq(10, finished=True), _Seq(30, slot=4), _Seq(40, slot=7)
+    step = _Step([_Request(done), _Request(hyb1), _Request(hyb2)], [[1, 2], [3, 3, 3], [5]], [0, 3, 7])
+    spec.after_sample(step, _Sampled([1, 9, 0, 3, 4, 0, 0, 5, 6]), None)
+    assert step.accepted == [1, 1, 1], f"accepted drafts are recorded even for a finished sequence: {step.accepted}"
+    assert done.num_computed_tokens == 10 and not any(call[1] is done for call in recorder.calls), (
+        "a sequence that finished in this step is not rolled back")
+    assert stats["spec_verify_steps"] == 2 and stats["spec_draft_tokens"] == 4, "a finished sequence is not counted"
+    assert hyb1.num_computed_tokens == 28, "two rejected drafts taken back"
+    keeps = [call for call in recorder.calls if call[0] == "keep"]
+    assert keeps == [("keep", [4], [1])], (
+        "one call for the step: the slots whose state ran past rejected drafts, with how many each accepted "
+        f"(a sequence that accepted all keeps its state as it is); got {keeps}")
+
+
+def test_ch19_after_sample_without_drafts_does_nothing():
+    spec, recorder, stats = _speculation()
+    step = _Step([_Request(_Seq(5))], [[]], [0])
+    assert spec.after_sample(step, _Sampled([3]), None) == []
+    assert recorder.calls == [] and stats == {"spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                                              "spec_verify_steps": 0}, "a step without drafts changes nothing"
+
+
+def test_ch19_the_bonus_token_comes_from_the_last_position():
+    target = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    draft = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    got = rejection_sample(target, draft, torch.tensor([1, 2]), torch.tensor([0.5, 0.5]))
+    assert got == [1, 2, 3], f"both drafts accepted, then the bonus drawn from p_d (the last row): got {got}"

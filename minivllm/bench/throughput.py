@@ -52,6 +52,7 @@ def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B,
 
 def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2) -> dict:
     """The floor time of the engine's actual steps (see the module docstring)."""
+    # BEGIN SOLUTION ch15 speed_of_light
     c = model_config
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
     # Matmul parameters touched per token: everything but the embedding lookup (the tied
@@ -62,14 +63,13 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     for step in trace:
         tokens = sum(n for _, n, _ in step.seqs)
         sampled = len(step.seqs)
-        # BEGIN SOLUTION ch15 speed_of_light
         step_bytes = params * dtype_bytes + step.kv_tokens_read * kv_bytes_per_token
         step_flops = 2 * body * tokens + 2 * embed * sampled + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * step.attention_pairs
         total_bytes += step_bytes
         total_flops += step_flops
         floor += max(step_bytes / ceilings["copy_bandwidth_bytes_per_s"], step_flops / ceilings["bf16_matmul_flops_per_s"])
-        # END SOLUTION
     return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
+    # END SOLUTION
 
 
 # bench.py's warm-up: ``llm.generate(["Benchmark: "], SamplingParams())``, one short

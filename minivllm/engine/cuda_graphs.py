@@ -133,6 +133,7 @@ class CudaGraphDispatcher:
         same graphs on every rank: it prefills and verifies eagerly. A hybrid model prefills
         eagerly; its verifying steps (short steps, at most SHORT_STEP_TOKENS per sequence)
         read everything on the device and get verify graphs."""
+        # BEGIN SOLUTION ch10 plan
         decode = graph_batch_sizes(max_num_seqs)
         sizes, q = {DECODE: decode}, 0
         if not tensor_parallel:
@@ -144,9 +145,11 @@ class CudaGraphDispatcher:
                 q = 1 + num_speculative_tokens
                 sizes[VERIFY] = [bs for bs in decode if bs * q <= max_num_batched_tokens]
         return cls(sizes, verify_query_len=q)
+        # END SOLUTION
 
     def dispatch(self, batch: BatchDescriptor) -> GraphKey | None:
         """The graph that ``batch`` replays in, padded up to its size; None: run eagerly."""
+        # BEGIN SOLUTION ch10 dispatch
         decode, verify, prefill = (self.sizes.get(kind, []) for kind in (DECODE, VERIFY, PREFILL))
         if not batch.is_prefill and decode and batch.num_tokens <= decode[-1]:  # tokens = sequences
             return GraphKey(DECODE, padded_batch_size(batch.num_tokens, decode))
@@ -158,6 +161,7 @@ class CudaGraphDispatcher:
             twin = batch.from_scratch and size in self.sizes.get(SCRATCH, [])
             return GraphKey(SCRATCH if twin else PREFILL, size)
         return None
+        # END SOLUTION
 
     def shape(self, key: GraphKey) -> tuple[int, int, int]:
         """A graph's padded sequences, padded tokens and tokens per sequence."""

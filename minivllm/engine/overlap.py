@@ -22,32 +22,46 @@ class OverlappedStep:
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
-        engine = self.engine
         start = time.perf_counter()
+        # BEGIN SOLUTION ch17 overlapped_step
+        engine = self.engine
         outputs = engine.before_schedule()
-        with profiler_range("minivllm.launch"):
-            batch = engine.schedule()
-            launched = engine.execute(batch, self.previous_tokens()) if batch is not None else None
+        launched = self.launch()
         processed, self.in_flight = self.in_flight, launched
-        with profiler_range("minivllm.process"):
-            if processed is not None:
-                outputs += engine.update(processed)
+        outputs += self.process(processed)
         if launched is not None:
             if launched.deferred is not None:
                 self.sample_deferred(launched)  # its grammars now know the tokens of `processed`
             engine.account(launched, processed, start)
         return outputs
+        # END SOLUTION
+
+    def launch(self):
+        """Schedule the next batch and execute it, its pending inputs read from the step in
+        flight; the LaunchedStep, or None when there is nothing to run."""
+        with profiler_range("minivllm.launch"):
+            batch = self.engine.schedule()
+            return self.engine.execute(batch, self.previous_tokens()) if batch is not None else None
+
+    def process(self, step) -> list:
+        """Take in a launched step's tokens (waiting for them): its outputs; none for no step."""
+        with profiler_range("minivllm.process"):
+            return self.engine.update(step) if step is not None else []
 
     def previous_tokens(self):
         """The step in flight's sampled tokens, on the device, and each sequence's row in them."""
+        # BEGIN SOLUTION ch17 previous_tokens
         if self.in_flight is None or self.in_flight.sampled is None:
             return None
         return self.in_flight.sampled.token_ids, self.in_flight.row_of()
+        # END SOLUTION
 
     def sample_deferred(self, step) -> None:
         """Sample a step whose forward pass went ahead of its token mask."""
+        # BEGIN SOLUTION ch17 sample_deferred
         logits, inputs = step.deferred
         step.deferred = None
         if logits is not None:
             step.sampled = self.engine.runner.sample(logits, inputs.params, inputs.generators, inputs.banned,
                                                      inputs.history, step.mask_later(step.requests))
+        # END SOLUTION

@@ -53,6 +53,7 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
     rank keeps one, copied on world_size / num_kv_heads ranks: the head its query heads
     attend with (query head h uses KV head h // (num_heads / num_kv_heads)).
     """
+    # BEGIN SOLUTION ch16 kv_head_range
     if num_kv_heads >= world_size:
         return split_rows(num_kv_heads, rank, world_size)
     if world_size % num_kv_heads != 0:
@@ -60,6 +61,7 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
             f"num_key_value_heads ({num_kv_heads}) must divide tensor_parallel_size ({world_size}) when it is smaller"
         )
     return rank * num_kv_heads // world_size, 1
+    # END SOLUTION
 
 
 class Linear(nn.Module):
@@ -166,10 +168,12 @@ class RowParallelLinear(Linear):
         param.data.copy_(loaded_weight.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION ch16 row_parallel_forward
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
         y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+        # END SOLUTION
 
 
 def replicated_shards(sizes: dict) -> dict:
@@ -183,6 +187,7 @@ class QKVLinear(PackedLinear):
     this rank's heads. ``num_heads`` and ``num_kv_heads`` are the heads this rank keeps."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        # BEGIN SOLUTION ch16 qkv_split
         rank, world_size = get_tp_rank(), get_tp_world_size()
         if num_heads % world_size != 0:
             raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
@@ -192,6 +197,7 @@ class QKVLinear(PackedLinear):
         kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
         super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
         self.num_heads, self.num_kv_heads = q_count, kv_count
+        # END SOLUTION
 
 
 class GateUpLinear(PackedLinear):

@@ -43,8 +43,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    # END SOLUTION
     return weights.to(router_logits.dtype), ids
+    # END SOLUTION
 
 
 class StackedExperts(nn.Module):
@@ -120,6 +120,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1)  # one scalar per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION ch12 moe_forward
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         # Each rank summed its slice of every expert's features: add the slices up.
@@ -127,3 +128,4 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+        # END SOLUTION

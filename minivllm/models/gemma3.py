@@ -27,6 +27,7 @@ from minivllm.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        # BEGIN SOLUTION ch11 gemma3_layer
         sliding = bool(config.layer_types) and config.layer_types[layer_idx] == "sliding_attention"
         self.self_attn = Qwen3Attention(config, qk_norm=GemmaRMSNorm, sliding=sliding)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "gelu_tanh")
@@ -35,14 +36,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        # END SOLUTION
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # Each sub-block's output is normalised before it is added to the residual stream,
         # so there is no norm to fuse the add into: the adds stay plain, as in transformers.
+        # BEGIN SOLUTION ch11 gemma3_layer_forward
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states))
         hidden_states = hidden_states + self.post_attention_layernorm(attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         return hidden_states + self.post_feedforward_layernorm(mlp_out)
+        # END SOLUTION
 
 
 class Gemma3Model(nn.Module):
@@ -72,8 +76,10 @@ class Gemma3ForCausalLM(Qwen3ForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor, all_tokens: bool = False) -> torch.Tensor:
         """Next-token logits (softcapped where configured): each sequence's last token, or every token."""
+        # BEGIN SOLUTION ch11 logit_softcapping
         logits = super().compute_logits(hidden_states, all_tokens)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+        # END SOLUTION

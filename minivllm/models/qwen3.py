@@ -38,6 +38,7 @@ class Qwen3Attention(nn.Module):
         qk_norm = qk_norm or (RMSNorm if config.qk_norm else None)
         self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        # BEGIN SOLUTION ch11 local_attention
         local_base = config.rope_local_theta if config.rope_local_theta is not None else 10000.0
         base, scaling = (local_base, None) if sliding else (config.rope_theta, config.rope_scaling)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, config.rotary_dim,
@@ -45,6 +46,7 @@ class Qwen3Attention(nn.Module):
         scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
                               sliding_window=config.sliding_window if sliding else None)
+        # END SOLUTION
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # BEGIN SOLUTION ch02 attention_layer

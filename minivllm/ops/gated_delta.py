@@ -53,10 +53,12 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     """Float32 queries and keys as the rule uses them: one per value head (grouped heads:
     value head h reads key head h // (num_v_heads // num_k_heads)), L2-normalised, and the
     queries scaled by key_dim ** -0.5."""
+    # BEGIN SOLUTION ch13 prepare_qk
     group = num_v_heads // q.shape[-2]
     q = l2_normalize(q.float().repeat_interleave(group, dim=-2))
     k = l2_normalize(k.float().repeat_interleave(group, dim=-2))
     return q * q.shape[-1] ** -0.5, k
+    # END SOLUTION
 
 
 def gated_delta_step(
@@ -83,11 +85,13 @@ def _recurrence(
     """The gated delta rule token by token over one sequence, from ``state`` (float32):
     yields (out_t, the state after token t) for each token t. Arguments as
     recurrent_gated_delta_rule."""
+    # BEGIN SOLUTION ch13 recurrence
     state = state.float()
     for t in range(q.shape[0]):
         o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
         state = s[0]
         yield o[0], state
+    # END SOLUTION
 
 
 def recurrent_gated_delta_rule(
@@ -136,10 +140,10 @@ def gated_delta_chunk(
     Above the diagonal (j > i) gamma_i - gamma_j is positive and exp of it can overflow to
     inf (and inf * 0 is nan), so the log-decay is masked to -inf there *before* exp.
     """
+    # BEGIN SOLUTION ch13 gated_delta_chunk
     q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
     g, beta = g.T.float(), beta.T.float()  # [H, C]
     size = q.shape[1]
-    # BEGIN SOLUTION ch13 gated_delta_chunk
     gamma = g.cumsum(dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     log_decay = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf"))
@@ -160,12 +164,14 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form over one sequence: chunks of ``chunk_size`` tokens, the state
     carried from one to the next. Same arguments and result as recurrent_gated_delta_rule."""
+    # BEGIN SOLUTION ch13 chunked_rule
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     state = state.float()
     for start in range(0, q.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         out[part], state = gated_delta_chunk(q[part], k[part], v[part], g[part], beta[part], state)
     return out, state
+    # END SOLUTION
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

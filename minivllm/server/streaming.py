@@ -106,6 +106,7 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
     async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
             yield sse_event({**head, "choices": first})
+        # BEGIN SOLUTION ch14 stream_events
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
         ended: set[int] = set()  # choices whose finish_reason has been sent
         last: list[RequestOutput | None] = [None] * len(outputs)
@@ -144,6 +145,7 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
         if include_usage and all(o is not None for o in last):
             yield sse_event({**head, "choices": [], "usage": usage(*last)})
         yield DONE_EVENT
+        # END SOLUTION
 
 
 async def final_outputs(outputs: list, request: Request, poll_s: float = 0.5) -> list[RequestOutput] | None:

@@ -64,6 +64,7 @@ class Speculation(StepFeature):
     def after_sample(self, step, sampled, scored) -> list:
         """How many drafts each sampled request of the step accepted (step.accepted). The KV
         of rejected positions stays in the pool past the sequence's end, to be overwritten."""
+        # BEGIN SOLUTION ch19 after_sample
         if not any(step.drafts):
             return []
         rolled_back = []
@@ -87,6 +88,7 @@ class Speculation(StepFeature):
         if rolled_back:
             self.runner.keep_accepted_states(*map(list, zip(*rolled_back)))
         return []
+        # END SOLUTION
 
     def on_finish(self, seq) -> None:
         self.proposer.forget(seq)

@@ -34,10 +34,12 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     of the 1 + len(drafts) positions (sampled[j] follows drafts[j - 1]): the length of the
     longest prefix with drafts[j] == sampled[j]. The tokens emitted are then
     ``sampled[: num_accepted + 1]`` (the accepted drafts and the target's next token)."""
+    # BEGIN SOLUTION ch19 num_accepted
     a = 0
     while a < len(drafts) and drafts[a] == sampled[a]:
         a += 1
     return a
+    # END SOLUTION
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
@@ -78,19 +80,19 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     if tuple(draft_probs.shape) != (d, target_probs.shape[1]) or tuple(uniforms.shape) != (d,):
         raise ValueError(f"draft_probs must be [d, V] = [{d}, {target_probs.shape[1]}] and uniforms [d]; got "
                          f"{tuple(draft_probs.shape)} and {tuple(uniforms.shape)}")
+    # BEGIN SOLUTION ch19 accept_or_residual
     emitted = []
     for j in range(d):
         p, q, x = target_probs[j], draft_probs[j], int(draft_ids[j])
-        # BEGIN SOLUTION ch19 accept_or_residual
         if uniforms[j] * q[x] < p[x]:  # u < min(1, p(x) / q(x)), as u < 1; no division by q(x)
             emitted.append(x)
             continue
         residual = torch.clamp(p - q, min=0)
-        # END SOLUTION
         emitted.append(_draw(residual, p, generator))
         return emitted
     emitted.append(_draw(target_probs[d], target_probs[d], generator))  # every draft accepted: the bonus
     return emitted
+    # END SOLUTION
 
 
 def _draw(weights: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None) -> int:

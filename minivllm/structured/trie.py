@@ -26,6 +26,7 @@ class TrieNode:
 
 def build_trie(strings: list[bytes], token_ids: list[int] | None = None) -> TrieNode:
     """A byte trie of ``strings``; with ``token_ids``, each string's id is kept at its end."""
+    # BEGIN SOLUTION ch18 build_trie
     root = TrieNode()
     for i, s in enumerate(strings):
         if not s:
@@ -37,15 +38,18 @@ def build_trie(strings: list[bytes], token_ids: list[int] | None = None) -> Trie
         if token_ids is not None:
             node.token_ids.append(token_ids[i])
     return root
+    # END SOLUTION
 
 
 def walk(node: TrieNode | None, data: bytes) -> TrieNode | None:
     """The node ``data`` leads to from ``node``, or None if it leaves the trie."""
+    # BEGIN SOLUTION ch18 walk
     for b in data:
         if node is None:
             return None
         node = node.children.get(b)
     return node
+    # END SOLUTION
 
 
 def allowed_tokens(choice_node: TrieNode, vocab_trie: TrieNode) -> list[int]:
@@ -101,13 +105,17 @@ class ChoiceConstraint:
         self.stop_token_id = stop_token_id
 
     def allowed(self, generated: bytes) -> list[int]:
+        # BEGIN SOLUTION ch18 choice_allowed
         node = walk(self.choices, generated)
         if node is None:
             return []  # the output has already left every choice
         return allowed_tokens(node, self.vocab) + ([self.stop_token_id] if node.is_end else [])
+        # END SOLUTION
 
     def mask(self, generated: bytes) -> torch.Tensor:
         """[vocab] bool: True where a token may come next."""
+        # BEGIN SOLUTION ch18 choice_mask
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         mask[self.allowed(generated)] = True
         return mask
+        # END SOLUTION

@@ -57,28 +57,22 @@ def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B,
 
 def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2) -> dict:
     """The floor time of the engine's actual steps (see the module docstring)."""
-    c = model_config
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
-    # Matmul parameters touched per token: everything but the embedding lookup (the tied
-    # head still multiplies by the full vocabulary matrix once per sampled token).
-    embed = c.vocab_size * c.hidden_size
-    body = params - embed
-    total_bytes = total_flops = floor = 0.0
-    for step in trace:
-        tokens = sum(n for _, n, _ in step.seqs)
-        sampled = len(step.seqs)
-        raise NotImplementedError(
-            "ch15: one step's floor, its speed of light: a step cannot beat the time to move its "
-            "bytes at the measured copy bandwidth, nor the time to do its FLOPs at the measured "
-            "matmul rate, so its floor is the larger of the two. Bytes: every weight once, plus "
-            "the keys and values it reads (step.kv_tokens_read tokens). FLOPs: two per body "
-            "parameter per token, two per embedding parameter per sampled row (the LM head), and "
-            "four per (query, key) pair, per layer, head and head dimension (the two attention "
-            "matmuls). Add the step's bytes and FLOPs to the totals and its floor to floor; the "
-            "two rates are in the ceilings dict. Pitfall: adding the two times assumes memory and "
-            "compute never overlap, see notebooks/15_speed_of_light.ipynb"
-        )
-    return {"bytes": total_bytes, "flops": total_flops, "floor_seconds": floor}
+    raise NotImplementedError(
+        "ch15: one step's floor, its speed of light: a step cannot beat the time to move its bytes "
+        "at the measured copy bandwidth, nor the time to do its FLOPs at the measured matmul rate, "
+        "so its floor is the larger of the two. Bytes: every weight once, plus the keys and values "
+        "it reads (step.kv_tokens_read tokens; a cached token is a key and a value per layer, each "
+        "num_key_value_heads times head_dim elements of dtype_bytes). FLOPs: two per body "
+        "parameter (every parameter but the embedding matrix, vocab_size by hidden_size) per token "
+        "the step computes (the second field of each of step.seqs), two per embedding parameter "
+        "per sampled row (the LM head; one row per sequence of the step), and four per (query, "
+        "key) pair (step.attention_pairs), per layer, attention head and head dimension (the two "
+        "attention matmuls). Sum the bytes, the FLOPs and the steps' floors over the trace, and "
+        "return them as a dict with the keys bytes, flops and floor_seconds; the two rates are in "
+        "the ceilings dict. Pitfalls: adding the two times assumes memory and compute never "
+        "overlap; the floor of the totals is not the sum of the steps' floors, see "
+        "notebooks/15_speed_of_light.ipynb"
+    )
 
 
 # bench.py's warm-up: ``llm.generate(["Benchmark: "], SamplingParams())``, one short

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/cuda_graphs.py, generated from it by scripts/make_exercises.py.
-# Fill in: graph_batch_sizes (ch10), padded_batch_size (ch10).
+# Fill in: graph_batch_sizes (ch10), padded_batch_size (ch10), CudaGraphDispatcher.plan (ch10), CudaGraphDispatcher.dispatch (ch10).
 # Grade: make grade CH=10
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -141,31 +141,35 @@ class CudaGraphDispatcher:
         same graphs on every rank: it prefills and verifies eagerly. A hybrid model prefills
         eagerly; its verifying steps (short steps, at most SHORT_STEP_TOKENS per sequence)
         read everything on the device and get verify graphs."""
-        decode = graph_batch_sizes(max_num_seqs)
-        sizes, q = {DECODE: decode}, 0
-        if not tensor_parallel:
-            if not hybrid:
-                limit = min(max_num_batched_tokens, max_model_len)
-                sizes[PREFILL] = [t for t in PREFILL_GRAPH_TOKENS if t <= limit]
-                sizes[SCRATCH] = [t for t in sizes[PREFILL] if t >= SCRATCH_GRAPH_TOKENS]
-            if num_speculative_tokens is not None and (not hybrid or 1 + num_speculative_tokens <= SHORT_STEP_TOKENS):
-                q = 1 + num_speculative_tokens
-                sizes[VERIFY] = [bs for bs in decode if bs * q <= max_num_batched_tokens]
-        return cls(sizes, verify_query_len=q)
+        raise NotImplementedError(
+            "ch10: plan: the graphs an engine captures, as a dict from kind to ascending sizes, "
+            "and the tokens a verifying sequence brings (1 + k, or 0 without drafts). Decode "
+            "graphs always, one per batch size of graph_batch_sizes. A tensor-parallel engine "
+            "captures nothing else. Otherwise: a model that is not hybrid gets prefill graphs for "
+            "the token counts of PREFILL_GRAPH_TOKENS that neither the step budget nor "
+            "max_model_len exceeds, and scratch twins for those of them from SCRATCH_GRAPH_TOKENS "
+            "up; with k drafts, verify graphs for the decode sizes whose sequences times (1 + k) "
+            "fit the step budget, except on a hybrid model whose verifying step would be longer "
+            "than SHORT_STEP_TOKENS. Pitfall: a kind with no size at all must not appear (the "
+            "constructor drops empty lists). Second hint: the verify graphs' size counts "
+            "sequences, their tokens are that times 1 + k, see notebooks/10_cuda_graphs.ipynb"
+        )
 
     def dispatch(self, batch: BatchDescriptor) -> GraphKey | None:
         """The graph that ``batch`` replays in, padded up to its size; None: run eagerly."""
-        decode, verify, prefill = (self.sizes.get(kind, []) for kind in (DECODE, VERIFY, PREFILL))
-        if not batch.is_prefill and decode and batch.num_tokens <= decode[-1]:  # tokens = sequences
-            return GraphKey(DECODE, padded_batch_size(batch.num_tokens, decode))
-        q = self.verify_query_len
-        if verify and batch.is_prefill == (q > 1) and batch.max_query_len <= q and batch.num_seqs <= verify[-1]:
-            return GraphKey(VERIFY, padded_batch_size(batch.num_seqs, verify))
-        if batch.is_prefill and prefill and batch.num_seqs == 1 and batch.num_tokens <= prefill[-1]:
-            size = padded_batch_size(batch.num_tokens, prefill)
-            twin = batch.from_scratch and size in self.sizes.get(SCRATCH, [])
-            return GraphKey(SCRATCH if twin else PREFILL, size)
-        return None
+        raise NotImplementedError(
+            "ch10: dispatch: the graph a step replays in, from its shape alone, or None to run it "
+            "eagerly. In order: a decode step (not a prefill; one token per sequence, so its "
+            "tokens count its sequences) that the largest decode graph holds replays the decode "
+            "graph of its padded size. Then a verifying step: verify graphs exist, the step is a "
+            "prefill exactly when a verifying sequence brings more than one token, no sequence "
+            "brings more than 1 + k tokens, and the largest verify graph holds its sequences; its "
+            "size counts sequences. Then a prefill of one sequence whose tokens the largest "
+            "prefill graph holds, padded by tokens; a prompt from scratch takes the scratch twin "
+            "of that size where one was captured. Pitfall: the order matters, a short verifying "
+            "step of one sequence must not land in a prefill graph, see "
+            "notebooks/10_cuda_graphs.ipynb"
+        )
 
     def shape(self, key: GraphKey) -> tuple[int, int, int]:
         """A graph's padded sequences, padded tokens and tokens per sequence."""

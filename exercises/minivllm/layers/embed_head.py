@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/layers/embed_head.py, generated from it by scripts/make_exercises.py.
-# Fill in: masked_embedding (ch16).
-# Grade: make grade CH=16
+# Fill in: masked_embedding (ch16), ScaledVocabEmbedding.forward (ch11).
+# Grade: make grade CH=11; make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Token embedding and the language-model head, split by vocabulary under tensor parallelism.
@@ -123,5 +123,10 @@ class ScaledVocabEmbedding(VocabEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Rounded on the host to the weights' dtype, then used as a Python number: no
         # host-to-device copy, so the step can be captured in a CUDA graph.
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype).item()
-        return super().forward(input_ids) * scale
+        raise NotImplementedError(
+            "ch11: scaled embeddings: Gemma multiplies each embedding row by the square root of "
+            "the hidden size. transformers rounds that factor to the weights' dtype before "
+            "multiplying, and so must you (in bfloat16, 45.25 is not sqrt(2048)). Keep the factor "
+            "a Python number, not a tensor on the device, so a CUDA graph can capture the step, "
+            "see notebooks/11_model_families.ipynb"
+        )

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
-# Fill in: split_rows (ch16).
+# Fill in: split_rows (ch16), kv_head_range (ch16), RowParallelLinear.forward (ch16), QKVLinear.__init__ (ch16).
 # Grade: make grade CH=16
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -60,13 +60,14 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
     rank keeps one, copied on world_size / num_kv_heads ranks: the head its query heads
     attend with (query head h uses KV head h // (num_heads / num_kv_heads)).
     """
-    if num_kv_heads >= world_size:
-        return split_rows(num_kv_heads, rank, world_size)
-    if world_size % num_kv_heads != 0:
-        raise ValueError(
-            f"num_key_value_heads ({num_kv_heads}) must divide tensor_parallel_size ({world_size}) when it is smaller"
-        )
-    return rank * num_kv_heads // world_size, 1
+    raise NotImplementedError(
+        "ch16: kv_head_range: the key/value heads a rank keeps, as (first, count). With at least "
+        "as many KV heads as ranks, split them evenly like any rows. With fewer, each rank keeps "
+        "exactly one, shared by world_size / num_kv_heads neighbouring ranks: the one its own "
+        "query heads attend with (ranks are handed out in order, so rank r's head is r times "
+        "num_kv_heads divided by world_size, rounded down). When num_kv_heads does not divide "
+        "world_size, raise ValueError naming both, see notebooks/16_tensor_parallelism.ipynb"
+    )
 
 
 class Linear(nn.Module):
@@ -173,10 +174,13 @@ class RowParallelLinear(Linear):
         param.data.copy_(loaded_weight.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = all_reduce(linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        raise NotImplementedError(
+            "ch16: RowParallelLinear.forward: each rank multiplies its slice of x by its columns "
+            "of W, a partial product; an all-reduce adds the ranks' partials into the full y on "
+            "every rank. With one rank it is the plain linear layer. Pitfall: the bias must be "
+            "added once, after the sum, not by every rank before it, see "
+            "notebooks/16_tensor_parallelism.ipynb"
+        )
 
 
 def replicated_shards(sizes: dict) -> dict:
@@ -190,15 +194,15 @@ class QKVLinear(PackedLinear):
     this rank's heads. ``num_heads`` and ``num_kv_heads`` are the heads this rank keeps."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        rank, world_size = get_tp_rank(), get_tp_world_size()
-        if num_heads % world_size != 0:
-            raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({world_size})")
-        q_first, q_count = split_rows(num_heads, rank, world_size)
-        kv_first, kv_count = kv_head_range(num_kv_heads, rank, world_size)
-        q_rows = (num_heads * head_dim, (q_first * head_dim, q_count * head_dim))
-        kv_rows = (num_kv_heads * head_dim, (kv_first * head_dim, kv_count * head_dim))
-        super().__init__(hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
-        self.num_heads, self.num_kv_heads = q_count, kv_count
+        raise NotImplementedError(
+            "ch16: QKVLinear.__init__: this rank's share of the attention heads, as a packed layer "
+            "of three shards q, k and v. The query heads split evenly over the ranks (a head count "
+            "that the ranks do not divide is a ValueError naming both); the key/value heads as "
+            "kv_head_range says. Each shard is given as (the rows of the full projection, (this "
+            "rank's first row, its rows)), a head being head_dim rows; k and v take the same rows. "
+            "Record the heads this rank keeps as num_heads and num_kv_heads, see "
+            "notebooks/16_tensor_parallelism.ipynb"
+        )
 
 
 class GateUpLinear(PackedLinear):

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/layers/moe.py, generated from it by scripts/make_exercises.py.
-# Fill in: route (ch12).
+# Fill in: route (ch12), SparseMoeBlock.forward (ch12).
 # Grade: make grade CH=12
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -51,7 +51,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         "alone equals the renormalized weights, not the plain ones, see "
         "notebooks/12_mixture_of_experts.ipynb"
     )
-    return weights.to(router_logits.dtype), ids
 
 
 class StackedExperts(nn.Module):
@@ -127,10 +126,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1)  # one scalar per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        # Each rank summed its slice of every expert's features: add the slices up.
-        out = all_reduce(out)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        raise NotImplementedError(
+            "ch12: the block's forward: route the router's logits (the gate layer) to each token's "
+            "experts and weights, mix the experts' outputs (fused_experts), and sum the "
+            "tensor-parallel ranks' partial outputs (each rank computed a slice of every expert). "
+            "Where the block has a shared expert, every token also goes through it, scaled by its "
+            "own gate squashed into (0, 1) by a sigmoid, and the result is added to the routed "
+            "mix. Pitfall: the shared expert's gate is per token, one scalar each, not per expert, "
+            "see notebooks/12_mixture_of_experts.ipynb"
+        )

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/models/qwen3.py, generated from it by scripts/make_exercises.py.
-# Fill in: Qwen3Attention.forward (ch02), Qwen3DecoderLayer.forward (ch01), Qwen3Model.forward (ch01).
-# Grade: make grade CH=01; make grade CH=02
+# Fill in: Qwen3Attention.__init__ (ch11), Qwen3Attention.forward (ch02), Qwen3DecoderLayer.forward (ch01), Qwen3Model.forward (ch01).
+# Grade: make grade CH=01; make grade CH=02; make grade CH=11
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Qwen3 (dense): a pre-norm decoder with grouped-query attention, q/k RMSNorm and SwiGLU.
@@ -43,13 +43,15 @@ class Qwen3Attention(nn.Module):
         qk_norm = qk_norm or (RMSNorm if config.qk_norm else None)
         self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        local_base = config.rope_local_theta if config.rope_local_theta is not None else 10000.0
-        base, scaling = (local_base, None) if sliding else (config.rope_theta, config.rope_scaling)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base, config.rotary_dim,
-                                          scaling)
-        scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
-                              sliding_window=config.sliding_window if sliding else None)
+        raise NotImplementedError(
+            "ch11: local or global attention: a local (sliding) layer rotates with its own RoPE "
+            "base (rope_local_theta, 10000 where the config gives none) and no RoPE scaling, and "
+            "attends over config.sliding_window positions; a global layer uses rope_theta with the "
+            "config's scaling and no window. Every layer scales its logits by one over the square "
+            "root of query_pre_attn_scalar where the config sets it, of the head size otherwise. "
+            "Build self.rotary_emb (RotaryEmbedding) and self.attn (Attention) so, see "
+            "notebooks/11_model_families.ipynb"
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/ops/gated_delta.py, generated from it by scripts/make_exercises.py.
-# Fill in: gated_delta_step (ch13), gated_delta_chunk (ch13), causal_conv1d (ch13).
+# Fill in: prepare_qk (ch13), gated_delta_step (ch13), _recurrence (ch13), gated_delta_chunk (ch13), chunk_gated_delta_rule (ch13), causal_conv1d (ch13).
 # Grade: make grade CH=13
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -58,10 +58,14 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     """Float32 queries and keys as the rule uses them: one per value head (grouped heads:
     value head h reads key head h // (num_v_heads // num_k_heads)), L2-normalised, and the
     queries scaled by key_dim ** -0.5."""
-    group = num_v_heads // q.shape[-2]
-    q = l2_normalize(q.float().repeat_interleave(group, dim=-2))
-    k = l2_normalize(k.float().repeat_interleave(group, dim=-2))
-    return q * q.shape[-1] ** -0.5, k
+    raise NotImplementedError(
+        "ch13: prepare_qk: the queries and keys as the rule reads them. Several value heads may "
+        "share one key head (grouped heads, as in grouped-query attention): repeat each key head "
+        "for its group of value heads, neighbours together. Then, in float32, normalise every "
+        "query and key vector to unit length (l2_normalize), and scale the queries by one over the "
+        "square root of the key size. Pitfall: scaling before normalising undoes the scale, see "
+        "notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def gated_delta_step(
@@ -89,11 +93,14 @@ def _recurrence(
     """The gated delta rule token by token over one sequence, from ``state`` (float32):
     yields (out_t, the state after token t) for each token t. Arguments as
     recurrent_gated_delta_rule."""
-    state = state.float()
-    for t in range(q.shape[0]):
-        o, s = gated_delta_step(state[None], q[t : t + 1], k[t : t + 1], v[t : t + 1].float(), g[t : t + 1], beta[t : t + 1])
-        state = s[0]
-        yield o[0], state
+    raise NotImplementedError(
+        "ch13: _recurrence (a generator): the rule token by token over one sequence, from the "
+        "given state in float32. Each token is one gated_delta_step on a batch of one state (the "
+        "step wants a leading batch dimension: add it to the state and to the token's inputs, the "
+        "values in float32, and drop it from the results). Yield, for every token in order, its "
+        "output and the state after it; carry that state to the next token, see "
+        "notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def recurrent_gated_delta_rule(
@@ -142,9 +149,6 @@ def gated_delta_chunk(
     Above the diagonal (j > i) gamma_i - gamma_j is positive and exp of it can overflow to
     inf (and inf * 0 is nan), so the log-decay is masked to -inf there *before* exp.
     """
-    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))  # [H, C, d]
-    g, beta = g.T.float(), beta.T.float()  # [H, C]
-    size = q.shape[1]
     raise NotImplementedError(
         "ch13: gated_delta_chunk: the same recurrence over a chunk of C tokens at once, equal up "
         "to rounding to C single steps. With gamma the running sum of g over the chunk, the decay "
@@ -155,8 +159,9 @@ def gated_delta_chunk(
         "triangular solver, not an inverse. The output is the decayed state read by q, exp(gamma) "
         "q S, plus the chunk's own part, (q k^T times the decay) U. The new state is S decayed "
         "over the whole chunk plus the keys, each decayed from its position to the chunk's end, "
-        "transposed, times U. Pitfall: out goes back as [C, H, dv], see "
-        "notebooks/13_hybrid_attention.ipynb"
+        "transposed, times U. Pitfall: out goes back as [C, H, dv]; the arguments come tokens "
+        "first, [C, H, d], and every product is a matmul batched over heads once they are moved "
+        "first, in float32, see notebooks/13_hybrid_attention.ipynb"
     )
 
 
@@ -166,12 +171,13 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form over one sequence: chunks of ``chunk_size`` tokens, the state
     carried from one to the next. Same arguments and result as recurrent_gated_delta_rule."""
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    state = state.float()
-    for start in range(0, q.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        out[part], state = gated_delta_chunk(q[part], k[part], v[part], g[part], beta[part], state)
-    return out, state
+    raise NotImplementedError(
+        "ch13: chunk_gated_delta_rule: the whole sequence in chunks of chunk_size tokens (the last "
+        "one possibly shorter), each chunk one gated_delta_chunk from the state the previous chunk "
+        "left, the first from the given state in float32. The outputs fill a float32 tensor shaped "
+        "like v, chunk by chunk. Return the outputs and the final state, see "
+        "notebooks/13_hybrid_attention.ipynb"
+    )
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

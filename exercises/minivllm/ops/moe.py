@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/ops/moe.py, generated from it by scripts/make_exercises.py.
-# Fill in: group_by_expert (ch12).
+# Fill in: experts_reference (ch12), group_by_expert (ch12).
 # Grade: make grade CH=12
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -86,16 +86,17 @@ def experts_reference(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The spec: one expert at a time, over only the tokens routed to it."""
-    out = torch.zeros_like(x)
-    for expert in range(w_gate_up.shape[0]):
-        # Which tokens chose this expert, and in which of their top-k slots.
-        token, slot = torch.where(topk_ids == expert)
-        if token.numel() == 0:
-            continue  # no token chose it this step: its weights are not even read
-        gate, up = F.linear(x[token], w_gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[expert])
-        out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
-    return out
+    raise NotImplementedError(
+        "ch12: experts_reference (the combine): every token's output is the sum, over its top_k "
+        "choices, of the chosen expert's feed-forward of that token times the router's weight for "
+        "it. Go expert by expert: find the (token, slot) pairs that chose this expert, run only "
+        "those tokens through it (the gate half and the up half of its gate_up matrix, SwiGLU: "
+        "silu of the gate times the up, then its down matrix), weight each row by its own slot's "
+        "weight, and add the rows into the output at their tokens. An expert no token chose costs "
+        "nothing. Pitfalls: the weight of a row is the one of the slot that chose this expert, not "
+        "the token's first; adding by token index must accumulate, not overwrite; keep x's dtype, "
+        "see notebooks/12_mixture_of_experts.ipynb"
+    )
 
 
 # -- grouping tokens by expert, for the fused kernels -----------------------------------

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/server/streaming.py, generated from it by scripts/make_exercises.py.
-# Fill in: sse_event (ch14).
+# Fill in: sse_event (ch14), stream_events (ch14).
 # Grade: make grade CH=14
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -115,44 +115,23 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
     async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
             yield sse_event({**head, "choices": first})
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
-        ended: set[int] = set()  # choices whose finish_reason has been sent
-        last: list[RequestOutput | None] = [None] * len(outputs)
-        num_finished = 0
-        try:
-            async for i, output in events:
-                choices = []
-                for c in output.outputs:  # with n > 1, only the completions that moved
-                    index = i * n + c.index
-                    text_sent, tokens_sent = sent.get(index, (0, 0))
-                    if len(c.token_ids) > tokens_sent or (c.finish_reason is not None and index not in ended):
-                        choices.append(choice(index, output, c, text_sent, tokens_sent))
-                        sent[index] = (len(c.text), len(c.token_ids))
-                        if c.finish_reason is not None:
-                            ended.add(index)
-                last[i] = output
-                num_finished += output.finished
-                event = sse_event({**head, "choices": choices}) if choices else ""
-                if num_finished == len(outputs):  # every prompt's last output: the stream's end follows
-                    if include_usage:
-                        event += sse_event({**head, "choices": [], "usage": usage(*last)})
-                    yield event + DONE_EVENT
-                    return
-                if event:
-                    yield event
-        except RequestFailedError as e:
-            yield sse_event(APIError(500, f"the engine failed this request ({e}); other requests are unaffected",
-                                     type="server_error").body())
-            yield DONE_EVENT
-            return
-        except EngineDeadError as e:
-            yield sse_event(APIError(503, str(e), type="server_error").body())
-            yield DONE_EVENT
-            return
-        # (the outputs ended without a finished one: not from an engine, but said the same way)
-        if include_usage and all(o is not None for o in last):
-            yield sse_event({**head, "choices": [], "usage": usage(*last)})
-        yield DONE_EVENT
+        raise NotImplementedError(
+            "ch14: stream_events (the streaming handler): outputs arrive cumulative (each holds a "
+            "completion's whole text and tokens so far), as (prompt i, output) pairs from merged; "
+            "a client wants only what is new. Remember, per choice index (prompt i times n plus "
+            "the completion's own index), how many characters and tokens were already sent, and "
+            "build a choice (with the given choice function) only for completions that gained a "
+            "token, or that just finished and whose finish_reason was not yet sent. One event per "
+            "output with any choice, none for an output with none. When every prompt has given its "
+            "finished output, that event, the usage event (only when stream_options asks for it, "
+            "over the last output of every prompt, with no choices) and the final [DONE] go out as "
+            "one string, and the stream ends. A request the engine failed (RequestFailedError) "
+            "ends the stream with an error event, a 500 of type server_error, then [DONE]; a dead "
+            "engine (EngineDeadError) likewise with a 503. Outputs that run out without a finished "
+            "one end with the usage (if asked, and every prompt gave an output) and [DONE]. "
+            "Pitfall: a finished completion with no new token still needs its chunk, once, see "
+            "notebooks/14_serving.ipynb"
+        )
 
 
 async def final_outputs(outputs: list, request: Request, poll_s: float = 0.5) -> list[RequestOutput] | None:

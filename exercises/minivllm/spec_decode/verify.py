@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/spec_decode/verify.py, generated from it by scripts/make_exercises.py.
-# Fill in: rejection_sample (ch19).
+# Fill in: num_accepted (ch19), rejection_sample (ch19).
 # Grade: make grade CH=19
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -39,10 +39,13 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     of the 1 + len(drafts) positions (sampled[j] follows drafts[j - 1]): the length of the
     longest prefix with drafts[j] == sampled[j]. The tokens emitted are then
     ``sampled[: num_accepted + 1]`` (the accepted drafts and the target's next token)."""
-    a = 0
-    while a < len(drafts) and drafts[a] == sampled[a]:
-        a += 1
-    return a
+    raise NotImplementedError(
+        "ch19: num_accepted: the drafts accepted are the longest prefix of them that the target's "
+        "own tokens confirm: draft j stands when the target sampled exactly it at position j (the "
+        "position that follows the tokens before it). Stop at the first mismatch, or when every "
+        "draft matched (sampled has one token more than drafts: the bonus, never compared), see "
+        "notebooks/19_speculative_decoding.ipynb"
+    )
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
@@ -83,22 +86,17 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     if tuple(draft_probs.shape) != (d, target_probs.shape[1]) or tuple(uniforms.shape) != (d,):
         raise ValueError(f"draft_probs must be [d, V] = [{d}, {target_probs.shape[1]}] and uniforms [d]; got "
                          f"{tuple(draft_probs.shape)} and {tuple(uniforms.shape)}")
-    emitted = []
-    for j in range(d):
-        p, q, x = target_probs[j], draft_probs[j], int(draft_ids[j])
-        raise NotImplementedError(
-            "ch19: accept_or_residual (draft x at position j): accept x with probability min(1, "
-            "p(x) / q(x)), against the uniform draw uniforms[j]; an accepted draft is emitted and "
-            "the loop goes on to the next position. A rejection ends the step: the token emitted "
-            "there is drawn from the residual, the positive part of p - q over the whole "
-            "vocabulary (left unnormalised: the draw below normalises it). Pitfall: q(x) may be "
-            "tiny, and the comparison needs no division, see "
-            "notebooks/19_speculative_decoding.ipynb"
-        )
-        emitted.append(_draw(residual, p, generator))
-        return emitted
-    emitted.append(_draw(target_probs[d], target_probs[d], generator))  # every draft accepted: the bonus
-    return emitted
+    raise NotImplementedError(
+        "ch19: accept_or_residual (draft x at position j): accept x with probability min(1, p(x) / "
+        "q(x)), against the uniform draw uniforms[j]; an accepted draft is emitted and the loop "
+        "goes on to the next position. A rejection ends the step: the token emitted there is drawn "
+        "from the residual, the positive part of p - q over the whole vocabulary (left "
+        "unnormalised: the draw below normalises it). Pitfall: q(x) may be tiny, and the "
+        "comparison needs no division. The step ends there: draw the emitted token from that "
+        "residual (_draw, with the target p as its fallback and the generator) and return what was "
+        "emitted. After d acceptances, one bonus token is drawn from the last target distribution, "
+        "p_d, see notebooks/19_speculative_decoding.ipynb"
+    )
 
 
 def _draw(weights: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None) -> int:

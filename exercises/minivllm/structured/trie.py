@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/structured/trie.py, generated from it by scripts/make_exercises.py.
-# Fill in: allowed_tokens (ch18).
+# Fill in: build_trie (ch18), walk (ch18), allowed_tokens (ch18), ChoiceConstraint.allowed (ch18), ChoiceConstraint.mask (ch18).
 # Grade: make grade CH=18
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -31,26 +31,22 @@ class TrieNode:
 
 def build_trie(strings: list[bytes], token_ids: list[int] | None = None) -> TrieNode:
     """A byte trie of ``strings``; with ``token_ids``, each string's id is kept at its end."""
-    root = TrieNode()
-    for i, s in enumerate(strings):
-        if not s:
-            continue  # special tokens spell nothing here
-        node = root
-        for b in s:
-            node = node.children.setdefault(b, TrieNode())
-        node.is_end = True
-        if token_ids is not None:
-            node.token_ids.append(token_ids[i])
-    return root
+    raise NotImplementedError(
+        "ch18: build_trie: one path of nodes per string, byte by byte from the root, sharing the "
+        "nodes of common prefixes (reuse a child where it exists). Mark the node where a string "
+        "ends as an end; with token_ids, also record there the id of that string (several tokens "
+        "may spell the same bytes: keep them all). An empty string spells nothing: skip it (it "
+        "must not mark the root as an end), see notebooks/18_structured_output.ipynb"
+    )
 
 
 def walk(node: TrieNode | None, data: bytes) -> TrieNode | None:
     """The node ``data`` leads to from ``node``, or None if it leaves the trie."""
-    for b in data:
-        if node is None:
-            return None
-        node = node.children.get(b)
-    return node
+    raise NotImplementedError(
+        "ch18: walk: follow the bytes of data from node, child by child; the node reached, or None "
+        "as soon as a byte has no child (or when node itself is None). An empty data stays where "
+        "it is, see notebooks/18_structured_output.ipynb"
+    )
 
 
 def allowed_tokens(choice_node: TrieNode, vocab_trie: TrieNode) -> list[int]:
@@ -102,13 +98,18 @@ class ChoiceConstraint:
         self.stop_token_id = stop_token_id
 
     def allowed(self, generated: bytes) -> list[int]:
-        node = walk(self.choices, generated)
-        if node is None:
-            return []  # the output has already left every choice
-        return allowed_tokens(node, self.vocab) + ([self.stop_token_id] if node.is_end else [])
+        raise NotImplementedError(
+            "ch18: ChoiceConstraint.allowed: the tokens that may follow the bytes generated so "
+            "far. Find where those bytes lead in the choices' trie; an output that has left every "
+            "choice allows nothing. Otherwise the tokens whose whole spelling stays on a choice's "
+            "path from there, and the stop token too when a whole choice ends exactly there, see "
+            "notebooks/18_structured_output.ipynb"
+        )
 
     def mask(self, generated: bytes) -> torch.Tensor:
         """[vocab] bool: True where a token may come next."""
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[self.allowed(generated)] = True
-        return mask
+        raise NotImplementedError(
+            "ch18: ChoiceConstraint.mask: the allowed tokens as a boolean mask over the "
+            "vocabulary, True where a token may come next, see "
+            "notebooks/18_structured_output.ipynb"
+        )

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/layers/embed_head.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: masked_embedding (ch16).
+# Reference answers for: masked_embedding (ch16), ScaledVocabEmbedding.forward (ch11).
 # Do not edit: change minivllm/layers/embed_head.py and run scripts/make_exercises.py again.
 
 """Token embedding and the language-model head, split by vocabulary under tensor parallelism.

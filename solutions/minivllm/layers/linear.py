@@ -1,5 +1,5 @@
 # Reference copy of minivllm/layers/linear.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: split_rows (ch16).
+# Reference answers for: split_rows (ch16), kv_head_range (ch16), RowParallelLinear.forward (ch16), QKVLinear.__init__ (ch16).
 # Do not edit: change minivllm/layers/linear.py and run scripts/make_exercises.py again.
 
 """Linear layers that know how to load their own weights, and how to split them across GPUs.

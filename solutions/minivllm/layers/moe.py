@@ -1,5 +1,5 @@
 # Reference copy of minivllm/layers/moe.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: route (ch12).
+# Reference answers for: route (ch12), SparseMoeBlock.forward (ch12).
 # Do not edit: change minivllm/layers/moe.py and run scripts/make_exercises.py again.
 
 """A sparse mixture-of-experts feed-forward block (Qwen3-MoE).

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/models/qwen3.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: Qwen3Attention.forward (ch02), Qwen3DecoderLayer.forward (ch01), Qwen3Model.forward (ch01).
+# Reference answers for: Qwen3Attention.__init__ (ch11), Qwen3Attention.forward (ch02), Qwen3DecoderLayer.forward (ch01), Qwen3Model.forward (ch01).
 # Do not edit: change minivllm/models/qwen3.py and run scripts/make_exercises.py again.
 
 """Qwen3 (dense): a pre-norm decoder with grouped-query attention, q/k RMSNorm and SwiGLU.

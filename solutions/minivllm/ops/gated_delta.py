@@ -1,5 +1,5 @@
 # Reference copy of minivllm/ops/gated_delta.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: gated_delta_step (ch13), gated_delta_chunk (ch13), causal_conv1d (ch13).
+# Reference answers for: prepare_qk (ch13), gated_delta_step (ch13), _recurrence (ch13), gated_delta_chunk (ch13), chunk_gated_delta_rule (ch13), causal_conv1d (ch13).
 # Do not edit: change minivllm/ops/gated_delta.py and run scripts/make_exercises.py again.
 
 """The gated delta rule and its causal convolution: the torch reference, and the dispatch.

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/ops/moe.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: group_by_expert (ch12).
+# Reference answers for: experts_reference (ch12), group_by_expert (ch12).
 # Do not edit: change minivllm/ops/moe.py and run scripts/make_exercises.py again.
 
 """Mixture-of-experts ops: run each token through the experts its router chose and mix

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/server/streaming.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: sse_event (ch14).
+# Reference answers for: sse_event (ch14), stream_events (ch14).
 # Do not edit: change minivllm/server/streaming.py and run scripts/make_exercises.py again.
 
 """Server-sent events, and the outputs of a request's prompts merged into one stream.

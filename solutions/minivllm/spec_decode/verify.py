@@ -1,5 +1,5 @@
 # Reference copy of minivllm/spec_decode/verify.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: rejection_sample (ch19).
+# Reference answers for: num_accepted (ch19), rejection_sample (ch19).
 # Do not edit: change minivllm/spec_decode/verify.py and run scripts/make_exercises.py again.
 
 """Verifying drafts: which of a sequence's proposed tokens does the target model accept?

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/structured/trie.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: allowed_tokens (ch18).
+# Reference answers for: build_trie (ch18), walk (ch18), allowed_tokens (ch18), ChoiceConstraint.allowed (ch18), ChoiceConstraint.mask (ch18).
 # Do not edit: change minivllm/structured/trie.py and run scripts/make_exercises.py again.
 
 """The idea by hand: a choice among strings, as a token mask (chapter 18).

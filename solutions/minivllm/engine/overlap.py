@@ -1,0 +1,65 @@
+# Reference copy of minivllm/engine/overlap.py, generated from it by scripts/make_exercises.py.
+# Reference answers for: OverlappedStep.step (ch17), OverlappedStep.previous_tokens (ch17), OverlappedStep.sample_deferred (ch17).
+# Do not edit: change minivllm/engine/overlap.py and run scripts/make_exercises.py again.
+
+"""Asynchronous scheduling (chapter 17): the host prepares step N+1 while the device runs
+step N. The step variant ``LLMEngine.step`` hands over to when ``async_scheduling`` is on.
+
+The same three parts as the synchronous step, in another order: schedule and execute step
+N+1 first — its sequences read the tokens step N sampled where they are, on the device
+(``previous``: those tokens and each sequence's row) — and only then take in step N's
+tokens, while the device computes N+1. A sequence counts the tokens sampled for it but not
+yet on the host (``Sequence.num_pending``), and the scheduler plans over them.
+
+One feature needs a token before it can sample: a grammar's mask depends on the token the
+step in flight sampled. Such a step's forward pass goes on the device at once, and its
+sampling waits until step N is taken in (``sample_deferred``)."""
+import time
+
+from minivllm.engine.trace import profiler_range
+
+
+class OverlappedStep:
+    def __init__(self, engine):
+        self.engine = engine  # the LLMEngine whose step this is
+        self.in_flight = None  # the LaunchedStep on the device, whose tokens are not taken in yet
+
+    def step(self) -> list:
+        """Launch step N+1, then take in step N: the outputs returned are step N's."""
+        start = time.perf_counter()
+        engine = self.engine
+        outputs = engine.before_schedule()
+        launched = self.launch()
+        processed, self.in_flight = self.in_flight, launched
+        outputs += self.process(processed)
+        if launched is not None:
+            if launched.deferred is not None:
+                self.sample_deferred(launched)  # its grammars now know the tokens of `processed`
+            engine.account(launched, processed, start)
+        return outputs
+
+    def launch(self):
+        """Schedule the next batch and execute it, its pending inputs read from the step in
+        flight; the LaunchedStep, or None when there is nothing to run."""
+        with profiler_range("minivllm.launch"):
+            batch = self.engine.schedule()
+            return self.engine.execute(batch, self.previous_tokens()) if batch is not None else None
+
+    def process(self, step) -> list:
+        """Take in a launched step's tokens (waiting for them): its outputs; none for no step."""
+        with profiler_range("minivllm.process"):
+            return self.engine.update(step) if step is not None else []
+
+    def previous_tokens(self):
+        """The step in flight's sampled tokens, on the device, and each sequence's row in them."""
+        if self.in_flight is None or self.in_flight.sampled is None:
+            return None
+        return self.in_flight.sampled.token_ids, self.in_flight.row_of()
+
+    def sample_deferred(self, step) -> None:
+        """Sample a step whose forward pass went ahead of its token mask."""
+        logits, inputs = step.deferred
+        step.deferred = None
+        if logits is not None:
+            step.sampled = self.engine.runner.sample(logits, inputs.params, inputs.generators, inputs.banned,
+                                                     inputs.history, step.mask_later(step.requests))
