@@ -3,9 +3,8 @@
 Every chapter's mutations (tests/course/mutations/chNN.toml) must apply: each ``old`` occurs
 exactly once inside its region, and every region of a chapter with a mutation file has at
 least two. Grading all of them takes far longer than a test may (a pytest process per
-mutation, about 15 s each on one core), so here each chapter grades a fixed subset: the
-first mutation of each of its regions, in file order, which still grades every region
-once; every one of them must be caught. (That the tests pass on the unchanged reference is
+mutation, about 15 s each on one core, over 350 mutations), so here each chapter grades one:
+the first of its file, which must be caught. ``make mutations`` grades the full set. (That the tests pass on the unchanged reference is
 tests/course/test_exercises.py's check.) ``make mutations`` grades the full set, where each
 chapter must catch at least 95%.
 """
@@ -44,7 +43,8 @@ def test_every_mutation_applies(chapter):
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_first_mutation_of_each_region_is_caught(chapter):
+def test_the_first_mutation_of_each_chapter_is_caught(chapter):
     log = io.StringIO()
-    caught, total = checker.check([chapter], first_per_region=True, out=log, baseline=False)[chapter]
+    first = checker.load(chapter)[0].index
+    caught, total = checker.check([chapter], only={first}, out=log, baseline=False, workers=1)[chapter]
     assert caught == total, f"{chapter}: {total - caught} of {total} mutations missed:\n{log.getvalue()}"
