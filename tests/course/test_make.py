@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on
 
 def planned(*args: str) -> subprocess.CompletedProcess:
     # VENV points at a folder with no stamp: make -n then only prints the set-up's commands.
-    return subprocess.run(["make", "-n", "VENV=/nonexistent-venv", *args], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run(["make", "--no-print-directory", "-n", "VENV=/nonexistent-venv", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("chapter, expected", [("7", "test_ch07_"), ("07", "test_ch07_"), ("1", "test_ch01_"), ("19", "test_ch19_")])
