@@ -14,7 +14,8 @@ The main exercise is the sharded linear layers themselves (exercises/minivllm/la
 which KV heads a rank keeps (``kv_head_range``), the loaders that cut a checkpoint tensor
 into this rank's rows (``PackedLinear.weight_loader``) or columns
 (``RowParallelLinear.weight_loader``), and the row-parallel forward, whose all-reduce is
-replaced here by one that hands back the sum of the ranks' partial products.
+replaced here by one that hands back the sum of the ranks' partial products; and which
+models split at all (``check_tensor_parallel`` in exercises/minivllm/engine/tp_worker.py).
 """
 import pytest
 import torch
@@ -173,3 +174,71 @@ def test_ch16_row_parallel_forward_all_reduces_then_adds_the_bias(monkeypatch):
     one.weight_loader(one.bias, b)
     torch.testing.assert_close(one(x), x @ w.T + b, msg="one rank: the plain linear layer")
     assert len(reduced) == 2, "one rank has nobody to all-reduce with"
+
+
+# --- which models split: check_tensor_parallel -------------------------------------------
+
+
+def _config(heads=16, kv=8, intermediate=3072, experts=0, moe_intermediate=0, layer_types=None):
+    """The fields of a ModelConfig that tensor parallelism reads."""
+    from types import SimpleNamespace
+
+    hf = {} if layer_types is None else {"layer_types": layer_types}
+    return SimpleNamespace(hf_config=hf, model_type="test", num_attention_heads=heads, num_key_value_heads=kv,
+                           intermediate_size=intermediate, num_experts=experts,
+                           moe_intermediate_size=moe_intermediate)
+
+
+def _refused(config, world_size, device="cpu"):
+    from minivllm.engine.tp_worker import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(config, world_size, device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_ch16_a_model_that_splits_is_accepted(world_size):
+    assert _refused(_config(), world_size) is None, (
+        f"16 query heads, 8 KV heads and 3,072 features split evenly over {world_size} ranks: nothing to refuse")
+    assert _refused(_config(kv=2), world_size) is None, (
+        f"2 KV heads over {world_size} ranks: split, or copied on whole groups of ranks")
+    assert _refused(_config(experts=8, moe_intermediate=64), world_size) is None, (
+        "experts of 64 features split over 1-8 ranks")
+    assert _refused(_config(moe_intermediate=6), world_size) is None, (
+        "a dense model (no experts) may carry moe_intermediate_size; it is not split, so it is not checked")
+
+
+@pytest.mark.parametrize("config, world_size, field", [
+    (_config(heads=12), 8, "num_attention_heads"),
+    (_config(heads=6, kv=6), 4, "num_attention_heads"),
+    (_config(kv=3, heads=12), 2, "num_key_value_heads"),
+    (_config(kv=6, heads=24), 4, "num_key_value_heads"),
+    (_config(kv=4, heads=24), 6, "num_key_value_heads"),
+    (_config(intermediate=100), 8, "intermediate_size"),
+    (_config(experts=8, moe_intermediate=6), 4, "moe_intermediate_size"),
+])
+def test_ch16_an_uneven_split_is_refused_naming_its_field(config, world_size, field):
+    message = _refused(config, world_size)
+    assert message is not None, f"{field} does not split over {world_size} ranks: a ValueError is expected"
+    assert field in message and "tensor_parallel_size" in message, (
+        f"the refusal must name {field} and tensor_parallel_size, got: {message!r}")
+
+
+def test_ch16_hybrid_models_are_refused():
+    hybrid = _config(layer_types=["linear_attention", "full_attention"])
+    message = _refused(hybrid, 2)
+    assert message is not None and "hybrid" in message, (
+        f"a model with linear_attention layers cannot be split: a ValueError saying hybrid, got {message!r}")
+    assert _refused(_config(layer_types=["full_attention", "sliding_attention"]), 2) is None, (
+        "attention layers of any kind split; only linear_attention (Gated DeltaNet) layers are refused")
+
+
+def test_ch16_each_rank_needs_its_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _refused(_config(), 2, "cuda") is None, "two ranks on a machine with two GPUs"
+    message = _refused(_config(heads=12, kv=6), 3, "cuda")
+    assert message is not None and "GPU" in message, f"three ranks, two GPUs: a ValueError naming the GPUs, got {message!r}"
+    assert _refused(_config(heads=12, kv=6), 3, "cpu") is None, "on the CPU, ranks are processes: no GPU count applies"

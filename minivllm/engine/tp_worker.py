@@ -42,7 +42,13 @@ JOIN_TIMEOUT_S = 30.0
 
 
 def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> None:
-    """Refuse, before any process starts, a model that does not split over ``world_size`` ranks."""
+    """Refuse, before any process starts, a model that does not split over ``world_size`` ranks.
+
+    Every split the sharded layers make must come out even: whole query heads per rank, key/value
+    heads split or copied, the feed-forward's (and each expert's) intermediate features. Finding
+    out here costs nothing; finding out in a worker costs a spawn, a process group and a load.
+    """
+    # BEGIN SOLUTION ch16 check_tensor_parallel
     if "linear_attention" in (config.hf_config.get("layer_types") or []):
         raise ValueError(f"tensor_parallel_size={world_size}: hybrid models (Gated DeltaNet layers, {config.model_type}) "
                          "run on one device only; tensor parallelism covers qwen3, qwen2, llama, gemma3 and qwen3_moe")
@@ -62,6 +68,7 @@ def check_tensor_parallel(config: ModelConfig, world_size: int, device: str) -> 
     if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
                          f"this machine has {torch.cuda.device_count()}")
+    # END SOLUTION
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, steps, reports, num_threads: int) -> None:
