@@ -11,7 +11,9 @@ for a batch larger than every graph.
 The main exercise is the dispatcher itself: ``CudaGraphDispatcher.plan`` (which graphs an
 engine captures, for its limits, its drafts, a hybrid model, a tensor-parallel group) and
 ``CudaGraphDispatcher.dispatch`` (which graph a step replays in, padded to what size, or None
-to run it eagerly). Both know only the steps' shapes, so they too are graded on the CPU.
+to run it eagerly). Both know only the steps' shapes, so they too are graded on the CPU. And
+the replay's copy of a step into the graph's static buffers (``StaticInputs.fill``): the real
+rows, then each field's padding up to the graph's size.
 """
 import pytest
 from hypothesis import given
@@ -198,3 +200,73 @@ def test_ch10_verify_graphs_of_one_token_per_sequence_take_decode_steps_only_pas
     assert d.dispatch(prefill([2])) is None, "with k = 0 a step of 2 tokens per sequence is no verifying step"
     d = CudaGraphDispatcher({VERIFY: [1, 2, 4]}, verify_query_len=3)
     assert d.dispatch(decode(2)) is None, "with k > 0 a verifying step is a prefill: a decode step is not one"
+
+
+# --- the replay's copy into the static buffers: StaticInputs.fill ------------------------
+
+STALE = 77  # what an earlier, bigger replay left in the buffers
+
+
+def _filled(names, max_seqs, max_tokens, constant, input_ids, padded_seqs, padded_tokens, **fields):
+    """Static buffers holding stale values, after one fill of a step whose Context has ``fields``."""
+    import torch
+
+    from minivllm.context import reset_context, set_context
+    from minivllm.engine.cuda_graphs import StaticInputs
+
+    static = StaticInputs(names, max_seqs, max_tokens, max_blocks=4, hidden=torch.zeros(max_tokens, 2),
+                          constant=constant)
+    for buf in static.buffers.values():
+        buf.fill_(STALE)
+    ids = torch.tensor(input_ids)
+    ctx = set_context(**fields)
+    try:
+        static.fill(ctx, ids, ids + 100, padded_seqs, padded_tokens)
+    finally:
+        reset_context()
+    return static.buffers
+
+
+def test_ch10_a_decode_replay_pads_rows_that_store_and_attend_to_nothing():
+    import torch
+
+    names = ["input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "block_tables",
+             "state_slots", "has_initial_state"]
+    b = _filled(names, 8, 8, ("cu_seqlens_q",), [7, 8, 9], 4, 4, is_prefill=False, max_seqlen_q=1,
+                cu_seqlens_q=torch.arange(4), slot_mapping=torch.tensor([10, 20, 30]),
+                context_lens=torch.tensor([3, 4, 5]), block_tables=torch.tensor([[0], [1], [2]]),
+                state_slots=torch.tensor([2, 0, 1]), has_initial_state=torch.tensor([1, 1, 0]))
+    assert b["input_ids"][:3].tolist() == [7, 8, 9] and b["positions"][:3].tolist() == [107, 108, 109], (
+        "the real rows of input_ids and positions come from the arguments")
+    assert b["slot_mapping"][:5].tolist() == [10, 20, 30, -1, STALE], (
+        "3 tokens in the graph of 4: the padding row stores nowhere (slot -1), and the row past the graph "
+        f"is left alone; got {b['slot_mapping'][:5].tolist()}")
+    assert b["context_lens"][:5].tolist() == [3, 4, 5, 0, STALE], (
+        f"a padding sequence attends to nothing (context length 0); got {b['context_lens'][:5].tolist()}")
+    assert b["state_slots"][:5].tolist() == [2, 0, 1, -1, STALE], "a padding sequence keeps no recurrent state"
+    assert b["block_tables"][:3, 0].tolist() == [0, 1, 2], "each real sequence's block table, in its row"
+    assert b["has_initial_state"][:3].tolist() == [1, 1, 0], "every field of the step is copied, state flags too"
+    assert b["cu_seqlens_q"].tolist() == [STALE] * 9, (
+        "a constant buffer (a decode graph's cu_seqlens_q, written at capture) is never written by a replay")
+
+
+def test_ch10_a_verify_replay_pads_whole_sequences_and_fills_missing_fields():
+    import torch
+
+    names = ["input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "block_tables",
+             "spec_state_counts"]
+    b = _filled(names, 8, 24, (), [1, 2, 3, 4, 5], 4, 12, is_prefill=True, max_seqlen_q=3,
+                cu_seqlens_q=torch.tensor([0, 3, 5]), slot_mapping=torch.arange(5), context_lens=torch.tensor([9, 6]),
+                block_tables=torch.tensor([[0, 1, 2], [3, -1, -1]]))
+    assert b["slot_mapping"][:13].tolist() == [0, 1, 2, 3, 4] + [-1] * 7 + [STALE], (
+        "5 tokens in a graph of 4 sequences x 3 tokens: 7 padding rows store nowhere, the row past the graph "
+        f"is left alone; got {b['slot_mapping'][:13].tolist()}")
+    assert b["cu_seqlens_q"][:6].tolist() == [0, 3, 5, 5, 5, STALE], (
+        "cu_seqlens_q has one row more than the sequences; a padding sequence repeats the last offset (no "
+        f"queries); got {b['cu_seqlens_q'][:6].tolist()}")
+    assert b["block_tables"][0, :3].tolist() == [0, 1, 2] and b["block_tables"][1, :3].tolist() == [3, -1, -1], (
+        "a step's block table may be narrower than the buffer: its columns go into the first ones")
+    assert b["context_lens"][:5].tolist() == [9, 6, 0, 0, STALE], "padding sequences attend to nothing"
+    assert b["spec_state_counts"][:5].tolist() == [0, 0, 0, 0, STALE], (
+        "a field the step does not have (no drafts verified) gets its pad value in the real rows too; "
+        f"got {b['spec_state_counts'][:5].tolist()}")

@@ -208,6 +208,7 @@ class StaticInputs:
              padded_tokens: int) -> None:
         """Copy the step (its Context set) into the buffers' first rows, and write each
         field's padding value into the rows up to the graph's size."""
+        # BEGIN SOLUTION ch10 fill
         num_seqs = ctx.context_lens.shape[0]
         real = {"tokens": input_ids.shape[0], "seqs": num_seqs, "seqs+1": num_seqs + 1, "table": num_seqs}
         padded = {"tokens": padded_tokens, "seqs": padded_seqs, "seqs+1": padded_seqs + 1, "table": padded_seqs}
@@ -226,6 +227,7 @@ class StaticInputs:
                 buf[n : padded[rows]] = src[-1]
             elif padded[rows] > n and pad is not None:
                 buf[n : padded[rows]].fill_(pad)
+        # END SOLUTION
 
 
 class CudaGraphs:

@@ -1,5 +1,5 @@
 # Exercise copy of minivllm/engine/cuda_graphs.py, generated from it by scripts/make_exercises.py.
-# Fill in: graph_batch_sizes (ch10), padded_batch_size (ch10), CudaGraphDispatcher.plan (ch10), CudaGraphDispatcher.dispatch (ch10).
+# Fill in: graph_batch_sizes (ch10), padded_batch_size (ch10), CudaGraphDispatcher.plan (ch10), CudaGraphDispatcher.dispatch (ch10), StaticInputs.fill (ch10).
 # Grade: make grade CH=10
 # Running the generator again overwrites this file: commit or copy your work first.
 
@@ -216,24 +216,20 @@ class StaticInputs:
              padded_tokens: int) -> None:
         """Copy the step (its Context set) into the buffers' first rows, and write each
         field's padding value into the rows up to the graph's size."""
-        num_seqs = ctx.context_lens.shape[0]
-        real = {"tokens": input_ids.shape[0], "seqs": num_seqs, "seqs+1": num_seqs + 1, "table": num_seqs}
-        padded = {"tokens": padded_tokens, "seqs": padded_seqs, "seqs+1": padded_seqs + 1, "table": padded_seqs}
-        step = {"input_ids": input_ids, "positions": positions}
-        for name, rows, pad in GRAPH_INPUTS:
-            if name not in self.buffers or name in self.constant:
-                continue
-            buf, n, src = self.buffers[name], real[rows], step[name] if name in step else getattr(ctx, name)
-            if rows == "table":
-                buf[:n, : src.shape[1]] = src
-            elif src is not None:
-                buf[:n] = src
-            elif pad is not None:  # spec_state_counts in a step that verifies nothing
-                buf[:n].fill_(pad)
-            if padded[rows] > n and pad == LAST:
-                buf[n : padded[rows]] = src[-1]
-            elif padded[rows] > n and pad is not None:
-                buf[n : padded[rows]].fill_(pad)
+        raise NotImplementedError(
+            "ch10: StaticInputs.fill: a graph reads only its static buffers, so a replay first "
+            "copies the step into them: for every field of GRAPH_INPUTS that this kind of graph "
+            "has (and that is not one of its constant buffers, written once at capture), the real "
+            "rows first (a token field has a row per token, a sequence field one per sequence, "
+            "cu_seqlens_q one more; the block table's rows are as wide as the step's, which may be "
+            "narrower than the buffer), input_ids and positions from the arguments, every other "
+            "field from the Context. Then the padding rows, from the real ones up to the graph's "
+            "size (and not one further: rows past it belong to no one): the field's pad value, or "
+            "the last real value for LAST, or nothing for None (a stale value there is harmless). "
+            "A field the step does not have (None in the Context, e.g. no drafts verified) gets "
+            "its pad value in the real rows too. Second hint: count the real and padded rows per "
+            "kind of row once, in two small dicts, see notebooks/10_cuda_graphs.ipynb"
+        )
 
 
 class CudaGraphs:

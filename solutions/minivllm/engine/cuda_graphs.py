@@ -1,5 +1,5 @@
 # Reference copy of minivllm/engine/cuda_graphs.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: graph_batch_sizes (ch10), padded_batch_size (ch10), CudaGraphDispatcher.plan (ch10), CudaGraphDispatcher.dispatch (ch10).
+# Reference answers for: graph_batch_sizes (ch10), padded_batch_size (ch10), CudaGraphDispatcher.plan (ch10), CudaGraphDispatcher.dispatch (ch10), StaticInputs.fill (ch10).
 # Do not edit: change minivllm/engine/cuda_graphs.py and run scripts/make_exercises.py again.
 
 """CUDA graphs for the model runner (chapter 10): which captured graph a step replays in, and
