@@ -8,7 +8,8 @@ weight per token (the vocabulary matrix only for the sampled rows) + 4 per (quer
 per head and dimension; floor = the sum over steps of max(bytes / bandwidth, FLOPs / rate).
 A floor of the totals, a sum of the two times, a forgotten K/V read or dtype size, or a head
 charged for every token all come out measurably different. Last, the same on the trace of a
-real (tiny) engine run.
+real (tiny) engine run. And the two counts each step record carries, from a scheduled batch
+(``attention_work`` in exercises/minivllm/engine/trace.py).
 """
 from types import SimpleNamespace
 
@@ -112,3 +113,37 @@ def test_ch15_on_a_real_engine_trace(tiny_qwen3):
     assert got["bytes"] == pytest.approx(sum(r[0] for r in rows), rel=1e-12)
     assert got["flops"] == pytest.approx(sum(r[1] for r in rows), rel=1e-12)
     assert got["floor_seconds"] == pytest.approx(sum(r[2] for r in rows), rel=1e-12)
+
+
+# --- what a step's attention touches: attention_work --------------------------------------
+
+
+def _batch(*seqs):
+    """A scheduled batch of (tokens already computed, new tokens) per sequence."""
+    return SimpleNamespace(seqs=[SimpleNamespace(num_computed_tokens=c) for c, _ in seqs],
+                           num_new_tokens=[n for _, n in seqs])
+
+
+def test_ch15_attention_work_of_a_decode_and_a_prompt():
+    from minivllm.engine.trace import attention_work
+
+    got = attention_work(_batch((99, 1)))
+    assert got == {"kv_tokens_read": 100, "attention_pairs": 100}, (
+        f"one token decoded after 99 cached ones reads 100 keys and scores 100 pairs, got {got}")
+    got = attention_work(_batch((0, 4)))
+    assert got == {"kv_tokens_read": 4, "attention_pairs": 10}, (
+        f"a 4-token prompt from scratch is causal: 1 + 2 + 3 + 4 = 10 pairs, 4 tokens read; got {got}")
+    got = attention_work(_batch((8, 3)))
+    assert got == {"kv_tokens_read": 11, "attention_pairs": 3 * 8 + 6}, (
+        f"a chunk of 3 after 8 cached tokens: each new token sees the 8, then 1, 2, 3 of its own; got {got}")
+
+
+def test_ch15_attention_work_adds_up_over_the_batch():
+    from minivllm.engine.trace import attention_work
+
+    seqs = [(0, 5), (17, 1), (3, 2), (40, 1)]
+    expected_pairs = sum(sum(c + i for i in range(1, n + 1)) for c, n in seqs)
+    got = attention_work(_batch(*seqs))
+    assert got == {"kv_tokens_read": sum(c + n for c, n in seqs), "attention_pairs": expected_pairs}, (
+        f"the batch's counts are the sums of its sequences' (here {expected_pairs} pairs), got {got}")
+    assert attention_work(_batch()) == {"kv_tokens_read": 0, "attention_pairs": 0}, "an empty batch touches nothing"

@@ -57,9 +57,7 @@ class StepTrace:
             seqs=[(s.seq_id, n, "decode" if is_decode(s, n - batch.drafts(i)) else "prefill")
                   for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))],
             preempted=[s.seq_id for s in batch.preempted],
-            kv_tokens_read=sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)),
-            attention_pairs=sum(n * s.num_computed_tokens + n * (n + 1) // 2
-                                for s, n in zip(batch.seqs, batch.num_new_tokens)),
+            **attention_work(batch),
         )
 
     def account(self, step, elapsed: float, finished: list[int], host_seconds: float, block_manager) -> None:
@@ -76,6 +74,22 @@ class StepTrace:
                 finished=finished, seconds=elapsed, host_seconds=host_seconds,
             ))
         self.num_steps += 1
+
+
+def attention_work(batch: ScheduledBatch) -> dict[str, int]:
+    """What the step's attention must read and compute, for its speed of light (chapter 15):
+    ``kv_tokens_read``, the tokens whose keys and values it reads (each sequence's cached
+    ones and its new ones, once each), and ``attention_pairs``, the (query, visible key)
+    pairs it scores (causal: a new token sees the cached tokens, the new ones before it and
+    itself)."""
+    # BEGIN SOLUTION ch15 attention_work
+    kv_tokens_read = attention_pairs = 0
+    for seq, new in zip(batch.seqs, batch.num_new_tokens):
+        cached = seq.num_computed_tokens
+        kv_tokens_read += cached + new
+        attention_pairs += new * cached + new * (new + 1) // 2
+    return {"kv_tokens_read": kv_tokens_read, "attention_pairs": attention_pairs}
+    # END SOLUTION
 
 
 def num_prefill_tokens(batch: ScheduledBatch) -> int:

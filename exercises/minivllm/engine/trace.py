@@ -1,0 +1,120 @@
+# Exercise copy of minivllm/engine/trace.py, generated from it by scripts/make_exercises.py.
+# Fill in: attention_work (ch15).
+# Grade: make grade CH=15
+# Running the generator again overwrites this file: commit or copy your work first.
+
+"""What each step did, for the book's plots and the engine's throughput figures: a
+``StepRecord`` per step (with ``record_trace``), and running totals of tokens and seconds.
+Beside the step: the step hands its launched batch here once it is done, and nothing here
+changes what the step computes."""
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+
+from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.sequence import Sequence
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did, for plots of the scheduler at work."""
+
+    step: int
+    seqs: list[tuple[int, int, str]]  # (seq_id, tokens computed, "prefill" | "decode")
+    blocks_in_use: int
+    num_blocks: int
+    cache_hit_tokens: int  # prefix-cache hits at admissions this step
+    preempted: list[int]
+    finished: list[int]
+    seconds: float
+    kv_tokens_read: int = 0  # cached tokens the step's attention reads (its K/V traffic)
+    attention_pairs: int = 0  # (query, visible key) pairs: the attention FLOPs / (4 * heads * dim)
+    # Of `seconds`, the part outside the model runner: scheduling before, bookkeeping after.
+    # The device has nothing queued then (the runner returns once the tokens are sampled).
+    host_seconds: float = 0.0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n, kind in self.seqs if kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for _, n, kind in self.seqs if kind == "decode")
+
+
+class StepTrace:
+    """The engine's running totals (``stats``) and, with ``record_trace``, a record per step."""
+
+    def __init__(self, record: bool):
+        self.record = record
+        self.records: list[StepRecord] = []
+        self.num_steps = 0
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+
+    def before(self, batch: ScheduledBatch) -> dict | None:
+        """What the record needs from the batch before the step changes it (only with
+        record_trace: at batch 256 it is a noticeable share of the host's time)."""
+        if not self.record:
+            return None
+        return dict(
+            seqs=[(s.seq_id, n, "decode" if is_decode(s, n - batch.drafts(i)) else "prefill")
+                  for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))],
+            preempted=[s.seq_id for s in batch.preempted],
+            **attention_work(batch),
+        )
+
+    def account(self, step, elapsed: float, finished: list[int], host_seconds: float, block_manager) -> None:
+        """The step's share of the totals, and its record (with record_trace)."""
+        phase = "prefill" if step.num_prefill_tokens else "decode"
+        # (A decode step emits a token per sequence, and one per accepted draft.)
+        self.stats[f"{phase}_tokens"] += step.num_prefill_tokens or len(step.batch) + sum(step.accepted)
+        self.stats[f"{phase}_seconds"] += elapsed
+        if step.trace is not None:
+            self.records.append(StepRecord(
+                step=self.num_steps, **step.trace,
+                blocks_in_use=block_manager.num_blocks - block_manager.num_free_blocks,
+                num_blocks=block_manager.num_blocks, cache_hit_tokens=step.batch.cache_hit_tokens,
+                finished=finished, seconds=elapsed, host_seconds=host_seconds,
+            ))
+        self.num_steps += 1
+
+
+def attention_work(batch: ScheduledBatch) -> dict[str, int]:
+    """What the step's attention must read and compute, for its speed of light (chapter 15):
+    ``kv_tokens_read``, the tokens whose keys and values it reads (each sequence's cached
+    ones and its new ones, once each), and ``attention_pairs``, the (query, visible key)
+    pairs it scores (causal: a new token sees the cached tokens, the new ones before it and
+    itself)."""
+    raise NotImplementedError(
+        "ch15: attention_work: count, for the whole batch, what its attention must touch. Each "
+        "sequence computes n new tokens after the ones already in the cache (num_computed_tokens). "
+        "Reads: the keys and values of every token visible to the step, each read once (the cached "
+        "ones and the new ones). Scores: attention is causal, so the i-th new token (from 1) sees "
+        "every cached token, the new tokens before it and itself; sum that over the new tokens (a "
+        "closed form of the triangle beats a loop). Return both counts in a dict under the names "
+        "the StepRecord fields use. Pitfall: a decode step (n = 1) still reads the whole context, "
+        "see notebooks/15_speed_of_light.ipynb"
+    )
+
+
+def num_prefill_tokens(batch: ScheduledBatch) -> int:
+    """The batch's prompt tokens (a decode verifying drafts is a decode: its drafts are not
+    prompt tokens)."""
+    return sum(n for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+               if not is_decode(seq, n - batch.drafts(i)))
+
+
+def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    """Does seq compute just the token it sampled last (a decode), not part of a prompt?"""
+    total = seq.num_scheduled_tokens
+    return num_new_tokens == 1 and seq.num_computed_tokens == total - 1 and total > seq.num_prompt_tokens
+
+
+def profiler_range(name: str):
+    """A named range of the step in a torch.profiler trace (chapter 17 draws the step's
+    timeline from them: launch, with schedule inside it; process, with wait inside it). Only
+    while a profiler records: an idle ``record_function`` still costs microseconds, at every
+    step."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
