@@ -22,6 +22,7 @@ caused it.
 import asyncio
 import gc
 import html
+import json
 import socket
 import threading
 from contextlib import asynccontextmanager
@@ -80,7 +81,7 @@ async def version():
 @keyed.post("/tokenize")
 async def tokenize(request: Request):
     serving = request.app.state.serving_tokenization
-    return await serving.tokenize(await serving.read_request(request, TokenizeRequest))
+    return await json_response(await serving.tokenize(await serving.read_request(request, TokenizeRequest)))
 
 
 @keyed.post("/detokenize")
@@ -102,13 +103,28 @@ async def model(model_id: str, request: Request):
 @v1.post("/completions")
 async def completions(request: Request):
     serving = request.app.state.serving_completion
-    return await serving.create_completion(await serving.read_request(request, CompletionRequest), request)
+    return await json_response(
+        await serving.create_completion(await serving.read_request(request, CompletionRequest), request))
 
 
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
     serving = request.app.state.serving_chat
-    return await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request)
+    return await json_response(
+        await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request))
+
+
+async def json_response(answer):
+    """An answer (a dict) written out as JSON in a worker thread, as FastAPI would on the event
+    loop: a big one (logprobs, token ids) takes a while, and others are served meanwhile.
+    Anything else (a stream, an empty 499) goes back as it is."""
+    if not isinstance(answer, dict):
+        return answer
+
+    def dump() -> bytes:
+        return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await asyncio.to_thread(dump), media_type="application/json")
 
 
 @docs.get("/openapi.json")
@@ -189,7 +205,9 @@ def serve(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port
     their error events during ``grace_s`` before it stops."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, config=config), host=host, port=port,
+    from minivllm.server.connections import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(build_app(engine, model_name, config=config), host=host, port=port,
                                            log_level="info", timeout_graceful_shutdown=5))
 
     def stop_soon():
@@ -229,11 +247,13 @@ class ServerThread:
     def __enter__(self) -> "ServerThread":
         import uvicorn
 
+        from minivllm.server.connections import uvicorn_config
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # port 0: the system picks a free one, no race
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(self.app, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="minivllm-server")
