@@ -33,6 +33,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from minivllm import __version__
 from minivllm.server.async_engine import AsyncLLMEngine
+from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import ERROR_HANDLERS, HostCheck, RequestIdHeader, check_api_key
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -158,8 +159,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     state.metrics = metrics = ServerMetrics(engine, model_name)
     state.serving_models = OpenAIServingModels(engine, model_name, config)
     state.serving_tokenization = OpenAIServingTokenization(engine, model_name, config)
-    state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics)
-    state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics)
+    gate = CompileGate()
+    state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics, gate)
+    state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics, gate)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     if config.allowed_origins:

@@ -25,7 +25,7 @@ class OpenAIServingChat(OpenAIServingGeneration):
         if plan is not None and plan.mode == "none":
             plan = None  # the tools reached the template; the answer is text
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        await self.compile_grammar(params, body)
+        await self.compile_grammar(params, body, request)
         outputs = self.start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed

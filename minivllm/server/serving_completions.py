@@ -22,7 +22,7 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
         self.check_logprob_entries([len(ids) for ids, _ in batch], params, params.n, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoed = await self.echo_texts(batch) if body.echo else []
-        await self.compile_grammar(params, body)
+        await self.compile_grammar(params, body, request)
         outputs = self.start(batch, params, request_id, request)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         choice = functools.partial(self.choice, body, params, echoed)

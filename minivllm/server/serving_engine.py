@@ -11,6 +11,7 @@ status when the client caused it.
 """
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from minivllm.engine.request_limits import truncated
 from minivllm.errors import InvalidParameter
+from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, apply_defaults, ignored_fields, parse_request, to_sampling_params,
                                       usage, with_extensions)
@@ -175,9 +177,13 @@ class OpenAIServingGeneration(OpenAIServing):
     against the engine, the start of its prompts in the engine (counted by ``metrics``) and
     its non-streaming answer."""
 
-    def __init__(self, engine, model_name: str, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, engine, model_name: str, config: ServerConfig, metrics: ServerMetrics,
+                 compile_gate: CompileGate | None = None):
         super().__init__(engine, model_name, config)
         self.metrics = metrics
+        # Shared by the routes that compile grammars (build_app gives them one), so that a
+        # client's turn is one across them.
+        self.compile_gate = compile_gate or CompileGate()
         self.vocab_size = engine.vocab_size
         # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
         self.defaults = engine.default_sampling_fields
@@ -270,12 +276,16 @@ class OpenAIServingGeneration(OpenAIServing):
                             f"this server's limit is {limit:,} (--max-logprob-entries): ask for fewer prompts, a "
                             "smaller n, fewer tokens or fewer logprobs", param=param, code="too_many_logprobs")
 
-    async def compile_grammar(self, params, body) -> None:
+    async def compile_grammar(self, params, body, request: Request) -> None:
         """The request's grammar compiled off the event loop (a JSON schema can take seconds,
-        and everyone else is served meanwhile): a bad one is the client's 400, naming the
-        field they wrote. The last check before the request starts: the cheap ones first."""
+        and everyone else is served meanwhile), in its client's turn (``grammar_gate``): a bad
+        one is the client's 400, naming the field they wrote. The last check before the
+        request starts: the cheap ones first."""
+        if params.structured_outputs is None:
+            return
+        client = request.client.host if request.client is not None else ""
         try:
-            await self.engine.compile_grammar(params)
+            await self.compile_gate.compile(client, functools.partial(self.engine.compile_grammar, params))
         except InvalidParameter as e:
             if e.param != "structured_outputs":  # (allowed_token_ids that the grammar never allows)
                 raise APIError(400, str(e), param=e.param) from None
