@@ -116,16 +116,46 @@ async def chat_completions(request: Request):
 
 
 async def json_response(answer):
-    """An answer (a dict) written out as JSON in a worker thread, as FastAPI would on the event
-    loop: a big one (logprobs, token ids) takes a while, and others are served meanwhile.
-    Anything else (a stream, an empty 499) goes back as it is."""
+    """An answer (a dict) written out as JSON in a worker thread, where FastAPI would write it on
+    the event loop: a big one (logprobs, token ids) takes a while, and others are served
+    meanwhile. Anything else (a stream, an empty 499) goes back as it is."""
     if not isinstance(answer, dict):
         return answer
 
     def dump() -> bytes:
-        return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        pieces: list[str] = []
+        encode_json(answer, pieces)
+        return "".join(pieces).encode()
 
     return Response(await asyncio.to_thread(dump), media_type="application/json")
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+JSON_SLICE = 4096  # list items written by one call of the C encoder
+
+
+def encode_json(value, pieces: list[str]) -> None:
+    """``value`` as compact JSON, appended to ``pieces`` a small part at a time. The C encoder
+    holds the interpreter lock for as long as one call runs (a second for a 40 MB answer),
+    so the event loop's thread could not answer /health meanwhile; between calls, it can."""
+    if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
+        pieces.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            pieces.append(("," if i else "") + _dumps(str(key)) + ":")
+            encode_json(item, pieces)
+        pieces.append("}")
+    elif isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+        pieces.append("[")
+        for i, item in enumerate(value):
+            if i:
+                pieces.append(",")
+            encode_json(item, pieces)
+        pieces.append("]")
+    elif isinstance(value, list) and len(value) > JSON_SLICE:
+        pieces.append("[" + ",".join(_dumps(value[i : i + JSON_SLICE])[1:-1]
+                                     for i in range(0, len(value), JSON_SLICE)) + "]")
+    else:
+        pieces.append(_dumps(value))
 
 
 @docs.get("/openapi.json")
