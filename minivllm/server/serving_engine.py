@@ -50,9 +50,10 @@ class ServerConfig:
     max_stop_token_ids: int = 256
     # Log-probability entries one request may ask for: prompts x n x tokens x (top-k + 1),
     # prompt tokens and echoed ones counted as they are sent. Each becomes an object in the
-    # answer (~1 kB in the server while it is built): the limit keeps the largest answer near
-    # 200 MB. lm-eval's loglikelihood requests (a few prompts, echo, logprobs 1) and n=8
-    # with 5 logprobs for a few thousand tokens stay far below it.
+    # answer (about 50 bytes of JSON, 500 in the server while it is built): the limit keeps
+    # the largest answer near 0.5 GB of memory. lm-eval's loglikelihood requests (a few
+    # prompts, echo, logprobs 1) and n=8 with 5 logprobs for a few thousand tokens stay far
+    # below it.
     max_logprob_entries: int = 1_000_000
     # The Host header names the server a browser thinks it talks to: on loopback, only
     # loopback names, so that a web page whose domain was pointed at 127.0.0.1 (DNS
@@ -258,7 +259,7 @@ class OpenAIServingGeneration(OpenAIServing):
         each may sample (max_tokens, or what the context leaves) x (top-k + 1), and the
         prompt's tokens x (top-k + 1) as often as the answer repeats them (``prompt_copies``
         times, and once more per completion with ``echo``). The answer is built in memory,
-        about 1 kB an entry, so this bounds the memory one request can take."""
+        about 500 bytes an entry, so this bounds the memory one request can take."""
         k, pk, n, limit = params.logprobs, params.prompt_logprobs, params.n, self.config.max_logprob_entries
         sampled = sum(params.max_tokens or self.max_model_len - length for length in prompt_lens) if k is not None else 0
         per_prompt_token = (prompt_copies * (pk + 1) if pk is not None else 0) + (n * (k + 1) if echo and k is not None else 0)
