@@ -261,8 +261,10 @@ class OpenAIServingGeneration(OpenAIServing):
         times, and once more per completion with ``echo``). The answer is built in memory,
         about 500 bytes an entry, so this bounds the memory one request can take."""
         k, pk, n, limit = params.logprobs, params.prompt_logprobs, params.n, self.config.max_logprob_entries
-        sampled = sum(params.max_tokens or self.max_model_len - length for length in prompt_lens) if k is not None else 0
-        per_prompt_token = (prompt_copies * (pk + 1) if pk is not None else 0) + (n * (k + 1) if echo and k is not None else 0)
+        sampled = (sum(params.max_tokens or self.max_model_len - length for length in prompt_lens)
+                   if k is not None else 0)
+        per_prompt_token = ((prompt_copies * (pk + 1) if pk is not None else 0)
+                            + (n * (k + 1) if echo and k is not None else 0))
         sampled_entries = n * sampled * (k + 1) if k is not None else 0
         total = sampled_entries + sum(prompt_lens) * per_prompt_token
         if total <= limit:
@@ -272,10 +274,13 @@ class OpenAIServingGeneration(OpenAIServing):
         if per_prompt_token:
             parts.append(f"{sum(prompt_lens):,} prompt tokens x {per_prompt_token} entries each (prompt_logprobs "
                          f"and echo, top-k + 1, per copy in the answer)")
+        unbounded = " (max_tokens is not set: each completion counts up to the context's end)" \
+            if k is not None and params.max_tokens is None else ""
         param = "logprobs" if sampled_entries * 2 >= total or params.prompt_logprobs is None else "prompt_logprobs"
         raise APIError(400, f"{param}: this request asks for {total:,} log-probability entries ({' + '.join(parts)}); "
                             f"this server's limit is {limit:,} (--max-logprob-entries): ask for fewer prompts, a "
-                            "smaller n, fewer tokens or fewer logprobs", param=param, code="too_many_logprobs")
+                            f"smaller n, fewer tokens or fewer logprobs{unbounded}", param=param,
+                       code="too_many_logprobs")
 
     async def compile_grammar(self, params, body, request: Request) -> None:
         """The request's grammar compiled off the event loop (a JSON schema can take seconds,
