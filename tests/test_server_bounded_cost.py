@@ -198,6 +198,18 @@ def test_a_grammar_that_admits_nothing_is_refused(server, fields, param):
     assert error["param"] == param and ("admits no output" in error["message"] or "none of these" in error["message"])
 
 
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"regex": "ab"}, "allowed_token_ids": "a"},  # "a" allowed, "b" not: nothing after it
+    {"structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]},
+])
+def test_constraints_that_leave_nothing_later_are_the_client_s_400(server, fields):
+    if fields.get("allowed_token_ids") == "a":
+        fields = {**fields, "allowed_token_ids": [*server.engine.tokenizer.encode("a", add_special_tokens=False), 0]}
+    error = error_of(post(server, {"prompt": "hi", "max_tokens": 4, "temperature": 0, **fields}))
+    assert "nothing could be sampled" in error["message"]
+    assert post(server, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_a_huge_temperature_with_a_grammar_is_served(server):
     answer = post(server, {"prompt": "hi", "max_tokens": 4, "temperature": 1e39,
                            "structured_outputs": {"regex": "[a-z]+"}})
