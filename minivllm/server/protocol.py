@@ -445,6 +445,10 @@ def check_structure(body: bytes) -> None:
     parser reads it and stopped at the first one past the limit: what the request models
     would build from it (half a million empty messages took 2 GB and 12 s) is never built.
     Invalid JSON is left to the parser, which says where."""
+    # Every object has a "{" and every key a ":" after it: a body with fewer of those bytes
+    # than the limit is under it, and skips the count (counting bytes is a pass in C).
+    if body.count(b"{") + body.count(b":") <= MAX_JSON_MEMBERS:
+        return
     count = 0
 
     def counted(pairs):
