@@ -58,13 +58,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             raise TypeError(f"EngineConfig.{f.name}: no command-line flag for a field of type {f.type}")
 
 
+# What one request may cost, and what happens past each limit (tests/test_server_bounded_cost.py
+# checks the numbers against the server's own). Without a flag: fixed.
+SERVE_LIMITS = """\
+limits per request (refused before any work, with the status shown):
+  body                  16 MiB (--max-request-bytes)                               413
+  JSON in the body      100,000 objects and keys, counted before it is parsed      400
+  prompts               256 per /v1/completions batch (--max-prompts)              400
+  prompt                max_model_len tokens, and that many tokens' characters     400
+  logprob entries       prompts x n x tokens x (top-k + 1), 1,000,000
+                        (--max-logprob-entries)                                    400
+  messages              4,096 per chat or /tokenize request, 256 parts each        400
+  tools                 128 per request, 128 tool calls per message; their JSON
+                        counts towards the prompt's characters                     400
+  stop strings          64 of 256 characters; 256 stop_token_ids (--max-stop...)   400
+  logit_bias            300 tokens                                                 400
+  grammar compile       10 s per spec; one compile in flight per client address,
+                        30 s at most waiting for its turn                      400 / 429
+  connection            the request head within 10 s; 5 s idle after a response   closed
+"""
+
+
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
     from minivllm.server.api import ServerConfig
     from minivllm.tokenizer import resolve_chat_template
 
     config = ServerConfig(api_key=args.api_key)
-    for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
+    for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts",
+                 "max_logprob_entries"):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     if getattr(args, "chat_template", None) is not None:
@@ -110,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--temperature", type=float, default=temperature)
         command.add_argument("--seed", type=int, default=None)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server", epilog=SERVE_LIMITS,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (or --model)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
     serve.add_argument("--served-model-name", default=None,
@@ -131,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stop", type=int, default=None, help="stop strings per request (default 64)")
     serve.add_argument("--max-stop-chars", type=int, default=None, help="characters per stop string (default 256)")
     serve.add_argument("--max-stop-token-ids", type=int, default=None, help="stop_token_ids per request (default 256)")
+    serve.add_argument("--max-logprob-entries", type=int, default=None,
+                       help="log-probability entries per request: prompts x n x tokens x (top-k + 1) "
+                            "(default 1,000,000)")
     serve.add_argument("--allowed-hosts", default=None,
                        help="comma-separated Host names to answer to; '*' for any (default: loopback names when "
                             "--host is loopback, else any)")

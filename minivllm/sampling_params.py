@@ -17,6 +17,13 @@ from minivllm.structured.params import StructuredOutputsParams
 # (and inf - inf is NaN in the softmax); long before that, the distribution is one token.
 # vLLM raises such a temperature to 0.01 instead; at 0.01 the draw is greedy in practice.
 MIN_TEMPERATURE = 1e-2
+# Past this, every token the masks leave is equally likely already (logits divided by it are
+# below 1e-25), and a larger temperature, or a repetition penalty beyond these bounds, would
+# overflow float32 to inf or round to 0: inf / inf and 0 * inf are NaN, and a NaN row lets the
+# sampler draw a token its mask had banned. So both are brought within the bounds, which
+# changes no distribution float32 can tell apart.
+MAX_TEMPERATURE = 1e30
+REPETITION_PENALTY_BOUNDS = (1e-30, 1e30)
 # The most top log-probabilities a request may ask for, per sampled or prompt token (vLLM's
 # default max_logprobs): each costs a top-k over the vocabulary and an entry in the output.
 MAX_LOGPROBS = 20
@@ -67,6 +74,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                f"a finite number >= 0 (0, or below {MIN_TEMPERATURE}, means greedy)")
+        self.temperature = min(self.temperature, MAX_TEMPERATURE)
         _check(_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an int >= 1, or 0 / -1 for no limit")
         if self.top_k == -1:
             self.top_k = 0
@@ -98,6 +106,8 @@ class SamplingParams:
             _check(_real(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
         _check(_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                self.repetition_penalty, "a finite number > 0 (1 means no penalty)")
+        low, high = REPETITION_PENALTY_BOUNDS
+        self.repetition_penalty = min(max(self.repetition_penalty, low), high)
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
             _check(all(_int(t) and t >= 0 for t in self.logit_bias), "logit_bias", self.logit_bias,

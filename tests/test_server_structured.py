@@ -243,7 +243,13 @@ def test_tool_results_go_back_through_the_template(client, server):
     assert r.choices[0].finish_reason in ("stop", "length")
     rendered = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
     text = httpx.post(server.url + "/detokenize", json={"tokens": rendered}).json()["prompt"]
-    assert "<|im_start|>tool\n18 degrees and sunny<|im_end|>" in text
+    # As Qwen3's template renders them: the call in the assistant's turn, its result in a user's.
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            '</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n18 degrees and sunny\n</tool_response><|im_end|>" in text
+    with_tools = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": with_tools}).json()["prompt"]
+    assert "<tools>" in text and '"name": "get_weather"' in text, "the tools reach the prompt"
 
 
 def test_a_template_that_renders_tools_sees_the_calls_as_objects():

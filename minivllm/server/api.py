@@ -22,6 +22,7 @@ caused it.
 import asyncio
 import gc
 import html
+import json
 import socket
 import threading
 from contextlib import asynccontextmanager
@@ -32,6 +33,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from minivllm import __version__
 from minivllm.server.async_engine import AsyncLLMEngine
+from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import ERROR_HANDLERS, HostCheck, RequestIdHeader, check_api_key
 from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -80,7 +82,7 @@ async def version():
 @keyed.post("/tokenize")
 async def tokenize(request: Request):
     serving = request.app.state.serving_tokenization
-    return await serving.tokenize(await serving.read_request(request, TokenizeRequest))
+    return await json_response(await serving.tokenize(await serving.read_request(request, TokenizeRequest)))
 
 
 @keyed.post("/detokenize")
@@ -102,13 +104,58 @@ async def model(model_id: str, request: Request):
 @v1.post("/completions")
 async def completions(request: Request):
     serving = request.app.state.serving_completion
-    return await serving.create_completion(await serving.read_request(request, CompletionRequest), request)
+    return await json_response(
+        await serving.create_completion(await serving.read_request(request, CompletionRequest), request))
 
 
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
     serving = request.app.state.serving_chat
-    return await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request)
+    return await json_response(
+        await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request))
+
+
+async def json_response(answer):
+    """An answer (a dict) written out as JSON in a worker thread, where FastAPI would write it on
+    the event loop: a big one (logprobs, token ids) takes a while, and others are served
+    meanwhile. Anything else (a stream, an empty 499) goes back as it is."""
+    if not isinstance(answer, dict):
+        return answer
+
+    def dump() -> bytes:
+        pieces: list[str] = []
+        encode_json(answer, pieces)
+        return "".join(pieces).encode()
+
+    return Response(await asyncio.to_thread(dump), media_type="application/json")
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+JSON_SLICE = 4096  # list items written by one call of the C encoder
+
+
+def encode_json(value, pieces: list[str]) -> None:
+    """``value`` as compact JSON, appended to ``pieces`` a small part at a time. The C encoder
+    holds the interpreter lock for as long as one call runs (a second for a 40 MB answer),
+    so the event loop's thread could not answer /health meanwhile; between calls, it can."""
+    if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
+        pieces.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            pieces.append(("," if i else "") + _dumps(str(key)) + ":")
+            encode_json(item, pieces)
+        pieces.append("}")
+    elif isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+        pieces.append("[")
+        for i, item in enumerate(value):
+            if i:
+                pieces.append(",")
+            encode_json(item, pieces)
+        pieces.append("]")
+    elif isinstance(value, list) and len(value) > JSON_SLICE:
+        pieces.append("[" + ",".join(_dumps(value[i : i + JSON_SLICE])[1:-1]
+                                     for i in range(0, len(value), JSON_SLICE)) + "]")
+    else:
+        pieces.append(_dumps(value))
 
 
 @docs.get("/openapi.json")
@@ -142,8 +189,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     state.metrics = metrics = ServerMetrics(engine, model_name)
     state.serving_models = OpenAIServingModels(engine, model_name, config)
     state.serving_tokenization = OpenAIServingTokenization(engine, model_name, config)
-    state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics)
-    state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics)
+    gate = CompileGate()
+    state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics, gate)
+    state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics, gate)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     if config.allowed_origins:
@@ -189,7 +237,9 @@ def serve(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port
     their error events during ``grace_s`` before it stops."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, config=config), host=host, port=port,
+    from minivllm.server.connections import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(build_app(engine, model_name, config=config), host=host, port=port,
                                            log_level="info", timeout_graceful_shutdown=5))
 
     def stop_soon():
@@ -229,11 +279,13 @@ class ServerThread:
     def __enter__(self) -> "ServerThread":
         import uvicorn
 
+        from minivllm.server.connections import uvicorn_config
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # port 0: the system picks a free one, no race
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(self.app, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="minivllm-server")

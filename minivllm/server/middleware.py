@@ -97,6 +97,10 @@ async def engine_dead(request, e: EngineDeadError):
 
 
 async def request_failed(request, e: RequestFailedError):
+    from minivllm.structured.feature import NOTHING_TO_SAMPLE
+
+    if NOTHING_TO_SAMPLE in str(e):  # the request's own constraints left no token to draw: the client's 400
+        return JSONResponse(APIError(400, f"this request ended early: {e}").body(), status_code=400)
     message = f"the engine failed this request ({e}); other requests are unaffected"
     return JSONResponse(APIError(500, message, type="server_error").body(), status_code=500)
 

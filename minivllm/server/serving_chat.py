@@ -18,13 +18,14 @@ class OpenAIServingChat(OpenAIServingGeneration):
         """The answer to a parsed chat request (``request``: the HTTP request it came in,
         watched for a disconnect): a dict, or an event stream with ``stream: true``."""
         params = self.sampling_params(body)
-        ids, text = await self.encode_messages(body)
+        ids, text = self.truncate(*await self.encode_messages(body), params)
         self.check_prompt(ids, params, "messages", body=body)
+        self.check_logprob_entries([len(ids)], params, 1)
         plan = tool_plan(body)
         if plan is not None and plan.mode == "none":
             plan = None  # the tools reached the template; the answer is text
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        await self.compile_grammar(params, body)
+        await self.compile_grammar(params, body, request)
         outputs = self.start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed

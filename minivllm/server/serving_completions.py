@@ -19,9 +19,10 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
         in, watched for a disconnect): a dict, or an event stream with ``stream: true``."""
         params = self.sampling_params(body)
         batch = await self.encode_prompts(body, params)
+        self.check_logprob_entries([len(ids) for ids, _ in batch], params, params.n, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoed = await self.echo_texts(batch) if body.echo else []
-        await self.compile_grammar(params, body)
+        await self.compile_grammar(params, body, request)
         outputs = self.start(batch, params, request_id, request)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         choice = functools.partial(self.choice, body, params, echoed)
@@ -43,6 +44,7 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
         batch = []
         for i, prompt in enumerate(prompts):
             ids, text = (await self.encode(prompt), prompt) if isinstance(prompt, str) else (prompt, None)
+            ids, text = self.truncate(ids, text, params)
             self.check_prompt(ids, params, "prompt", "the prompt" if len(prompts) == 1 else f"prompt {i}", body)
             batch.append((ids, text))
         return batch

@@ -11,6 +11,8 @@ status when the client caused it.
 """
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +20,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from minivllm.engine.request_limits import truncated
 from minivllm.errors import InvalidParameter
+from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, apply_defaults, ignored_fields, parse_request, to_sampling_params,
                                       usage, with_extensions)
@@ -44,6 +48,13 @@ class ServerConfig:
     max_stop: int = 64  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
     max_stop_token_ids: int = 256
+    # Log-probability entries one request may ask for: prompts x n x tokens x (top-k + 1),
+    # prompt tokens and echoed ones counted as they are sent. Each becomes an object in the
+    # answer (about 50 bytes of JSON, 500 in the server while it is built): the limit keeps
+    # the largest answer near 0.5 GB of memory. lm-eval's loglikelihood requests (a few
+    # prompts, echo, logprobs 1) and n=8 with 5 logprobs for a few thousand tokens stay far
+    # below it.
+    max_logprob_entries: int = 1_000_000
     # The Host header names the server a browser thinks it talks to: on loopback, only
     # loopback names, so that a web page whose domain was pointed at 127.0.0.1 (DNS
     # rebinding) is refused. "*" allows any.
@@ -57,7 +68,8 @@ class ServerConfig:
     tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (structured.tools.TOOL_PARSERS)
 
     def __post_init__(self):
-        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts"):
+        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts",
+                     "max_logprob_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.tool_call_parser not in TOOL_PARSERS:
@@ -106,8 +118,9 @@ class OpenAIServing:
                                  if self.tokenizer is not None else 0)
 
     async def read_request(self, request: Request, model):
-        """The request's body as ``model`` (a pydantic request class), its unknown fields logged."""
-        body = parse_request(await read_body(request, self.config.max_request_bytes), model)
+        """The request's body as ``model`` (a pydantic request class), its unknown fields logged.
+        Parsed in a worker thread: a big body takes a while, and others are served meanwhile."""
+        body = await asyncio.to_thread(parse_request, await read_body(request, self.config.max_request_bytes), model)
         ignored = ignored_fields(body)
         if ignored:
             logger.warning("%s %s: ignoring the unknown field(s) %s", request.method, request.url.path,
@@ -145,9 +158,12 @@ class OpenAIServing:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions or start the "
                                 "server with --chat-template", param="messages")
         messages = template_messages(body.messages)
-        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
-        tools = getattr(body, "tools", None)
-        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        # What the template writes into the prompt: the messages' text, their calls' arguments
+        # and the tools' descriptions (a template that renders tools prints their JSON).
+        self.check_chars(sum(len(m["content"]) + len(m.get("tool_calls") and json.dumps(m["tool_calls"]) or "")
+                             for m in messages) + (len(json.dumps(tools)) if tools else 0), "messages")
+        extra = {"tools": tools} if tools else {}
         try:
             # The template and the tokenizer in a worker thread, as for a text prompt.
             return await asyncio.to_thread(
@@ -162,9 +178,13 @@ class OpenAIServingGeneration(OpenAIServing):
     against the engine, the start of its prompts in the engine (counted by ``metrics``) and
     its non-streaming answer."""
 
-    def __init__(self, engine, model_name: str, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, engine, model_name: str, config: ServerConfig, metrics: ServerMetrics,
+                 compile_gate: CompileGate | None = None):
         super().__init__(engine, model_name, config)
         self.metrics = metrics
+        # Shared by the routes that compile grammars (build_app gives them one), so that a
+        # client's turn is one across them.
+        self.compile_gate = compile_gate or CompileGate()
         self.vocab_size = engine.vocab_size
         # What the checkpoint's generation_config.json suggests, for the fields a request leaves out.
         self.defaults = engine.default_sampling_fields
@@ -206,6 +226,14 @@ class OpenAIServingGeneration(OpenAIServing):
             raise APIError(400, f"allowed_token_ids: at most the vocabulary's {self.vocab_size} ids",
                            param="allowed_token_ids")
 
+    @staticmethod
+    def truncate(ids: list[int], text: str | None, params) -> tuple[list[int], str | None]:
+        """The prompt the engine will run, before any check of its length: with
+        ``truncate_prompt_tokens``, its last k ids (a prompt longer than the context may ask
+        to keep only its end, as in vLLM); a shortened prompt's text is no longer its own."""
+        kept = truncated(ids, params)
+        return (ids, text) if len(kept) == len(ids) else (kept, None)
+
     def check_prompt(self, ids: list[int], params, param: str, which: str = "the prompt", body=None) -> None:
         max_model_len = self.max_model_len
         if len(ids) >= max_model_len:
@@ -225,13 +253,48 @@ class OpenAIServingGeneration(OpenAIServing):
         except ValueError as e:
             raise APIError(400, f"{which}: {e}" if which != "the prompt" else str(e), param=param) from None
 
-    async def compile_grammar(self, params, body) -> None:
+    def check_logprob_entries(self, prompt_lens: list[int], params, prompt_copies: int, echo: bool = False) -> None:
+        """Refuse, before any work, a request whose answer would carry more log-probability
+        entries than ``--max-logprob-entries``: for each prompt, n completions x the tokens
+        each may sample (max_tokens, or what the context leaves) x (top-k + 1), and the
+        prompt's tokens x (top-k + 1) as often as the answer repeats them (``prompt_copies``
+        times, and once more per completion with ``echo``). The answer is built in memory,
+        about 500 bytes an entry, so this bounds the memory one request can take."""
+        k, pk, n, limit = params.logprobs, params.prompt_logprobs, params.n, self.config.max_logprob_entries
+        sampled = (sum(params.max_tokens or self.max_model_len - length for length in prompt_lens)
+                   if k is not None else 0)
+        per_prompt_token = ((prompt_copies * (pk + 1) if pk is not None else 0)
+                            + (n * (k + 1) if echo and k is not None else 0))
+        sampled_entries = n * sampled * (k + 1) if k is not None else 0
+        total = sampled_entries + sum(prompt_lens) * per_prompt_token
+        if total <= limit:
+            return
+        parts = [f"{len(prompt_lens)} prompt(s) x n={n} x {sampled // max(len(prompt_lens), 1):,} tokens to sample "
+                 f"x (logprobs {k} + 1)"] if k is not None else []
+        if per_prompt_token:
+            parts.append(f"{sum(prompt_lens):,} prompt tokens x {per_prompt_token} entries each (prompt_logprobs "
+                         f"and echo, top-k + 1, per copy in the answer)")
+        unbounded = " (max_tokens is not set: each completion counts up to the context's end)" \
+            if k is not None and params.max_tokens is None else ""
+        param = "logprobs" if sampled_entries * 2 >= total or params.prompt_logprobs is None else "prompt_logprobs"
+        raise APIError(400, f"{param}: this request asks for {total:,} log-probability entries ({' + '.join(parts)}); "
+                            f"this server's limit is {limit:,} (--max-logprob-entries): ask for fewer prompts, a "
+                            f"smaller n, fewer tokens or fewer logprobs{unbounded}", param=param,
+                       code="too_many_logprobs")
+
+    async def compile_grammar(self, params, body, request: Request) -> None:
         """The request's grammar compiled off the event loop (a JSON schema can take seconds,
-        and everyone else is served meanwhile): a bad one is the client's 400, naming the
-        field they wrote. The last check before the request starts: the cheap ones first."""
+        and everyone else is served meanwhile), in its client's turn (``grammar_gate``): a bad
+        one is the client's 400, naming the field they wrote. The last check before the
+        request starts: the cheap ones first."""
+        if params.structured_outputs is None:
+            return
+        client = request.client.host if request.client is not None else ""
         try:
-            await self.engine.compile_grammar(params)
+            await self.compile_gate.compile(client, functools.partial(self.engine.compile_grammar, params))
         except InvalidParameter as e:
+            if e.param != "structured_outputs":  # (allowed_token_ids that the grammar never allows)
+                raise APIError(400, str(e), param=e.param) from None
             source = structured_outputs(body)[1]
             raise APIError(400, f"{source}: {e}", param=source) from None
 
@@ -250,5 +313,12 @@ class OpenAIServingGeneration(OpenAIServing):
         finals = await final_outputs(outputs, request)
         if finals is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        choices = [choice(i * n + c.index, o, c) for i, o in enumerate(finals) for c in o.outputs]
-        return {**head, "choices": choices, "usage": usage(*finals), **(extra(finals) if extra else {})}
+
+        def answer() -> dict:
+            choices = [choice(i * n + c.index, o, c) for i, o in enumerate(finals) for c in o.outputs]
+            return {**head, "choices": choices, "usage": usage(*finals), **(extra(finals) if extra else {})}
+
+        # Built in a worker thread (and written out in one too: api.json_response): with
+        # logprobs an answer holds up to --max-logprob-entries objects, seconds of work that
+        # must not hold up the event loop, and /health, meanwhile.
+        return await asyncio.to_thread(answer)

@@ -207,7 +207,19 @@ class GrammarCompiler:
             compiled = getattr(self.compiler, method)(*args, **kwargs)
         except RuntimeError as e:  # xgrammar's parse errors
             raise invalid(kind, str(e)) from None
+        if not self.first_tokens(compiled).any():
+            # (``root ::= root``: valid EBNF, but no output can ever start; sampling would
+            # have nothing to draw from)
+            raise invalid(kind, "it admits no output at all (not even an empty one)")
         return compiled, trial + time.perf_counter() - start
+
+    def first_tokens(self, compiled) -> torch.Tensor:
+        """The tokens the grammar allows as an output's first ([vocab] bool; EOS among them
+        when the empty output is allowed)."""
+        matcher = self.xgr.GrammarMatcher(compiled)
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        return ((bitmask[0].unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[: self.vocab_size].bool()
 
     def _trial(self, params: StructuredOutputsParams, call: tuple, timeout_s: float) -> float:
         """Compile ``call`` in a worker process (the seconds it took); raise InvalidParameter if

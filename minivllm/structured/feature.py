@@ -20,6 +20,11 @@ from minivllm.step_hooks import StepFeature, is_live
 # How long a step with nothing else to do waits for a grammar being compiled, before it returns
 # (so that the caller's loop takes in new requests and aborts meanwhile).
 GRAMMAR_WAIT_S = 0.05
+# What a grammar's refusal of a sampled token says. The mask lets through only what the
+# grammar allows, so a refused token means the row had nothing left to draw: the request's
+# own allowed_token_ids, bad_words or logit_bias banned every token the grammar allows there
+# (the server answers that with a 400, as any other bad request).
+NOTHING_TO_SAMPLE = "nothing could be sampled"
 
 
 class StructuredOutputs(StepFeature):
@@ -137,7 +142,9 @@ class StructuredOutputs(StepFeature):
         if not rows:
             return []
         return [(request, f"structured output: the sampled token {sampled.token_ids[row]} is not allowed by the "
-                          "grammar") for (request, row), ok in zip(rows, accept_tokens(states, tokens)) if not ok]
+                          f"grammar: {NOTHING_TO_SAMPLE} (the request's allowed_token_ids, bad_words or logit_bias "
+                          "leave no token the grammar allows here)")
+                for (request, row), ok in zip(rows, accept_tokens(states, tokens)) if not ok]
 
     def on_abort(self, request_id: str) -> bool:
         # (A compile under way finishes for the cache.)
