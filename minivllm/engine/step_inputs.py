@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from minivllm.engine.scheduler import ScheduledBatch
+from minivllm.engine.sequence import Sequence
 
 # Each field of a step's flat array starts at a multiple of this many int64s (128 bytes).
 FIELD_ALIGN = 16
@@ -142,8 +143,9 @@ def pack_batch(batch: ScheduledBatch, rows_to_sample: list[int] | None, previous
     """Flatten the batch into one step: its tokens (``token_fields``), which rows get
     logits (the last token of each sequence in ``rows_to_sample``; None: every sequence),
     the prompt rows to score, and the KV blocks to copy first."""
-    fields = token_fields(batch, previous_rows, block_size)
+    fields = token_fields(batch, block_size)
     cu = fields["cu_seqlens_q"]
+    fields |= pending_rows(batch, previous_rows, cu)
     rows = range(len(batch.seqs)) if rows_to_sample is None else rows_to_sample
     prompt_rows, prompt_targets, prompt_top_k = prompt_logprob_rows(batch, cu)
     copies = batch.block_copies
@@ -155,25 +157,14 @@ def pack_batch(batch: ScheduledBatch, rows_to_sample: list[int] | None, previous
         prompt_top_k=prompt_top_k, from_scratch=not any(seq.num_computed_tokens for seq in batch.seqs))
 
 
-def token_fields(batch: ScheduledBatch, previous_rows: dict[int, int] | None, block_size: int) -> dict[str, list[int]]:
-    """Each sequence's new tokens (its drafts to verify among them), their positions and KV
-    slots, its context length after the step and the cumulative query lengths. With
-    asynchronous scheduling a sequence's newest token may still be on the device: its input
-    row is a placeholder (a pending row), filled on the device from row
-    ``previous_rows[seq_id]`` of the previous step's sampled tokens."""
+def token_fields(batch: ScheduledBatch, block_size: int) -> dict[str, list[int]]:
+    """Each sequence's new tokens, their positions and KV slots, its context length after
+    the step and the cumulative query lengths."""
     input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
-    pending_dst, pending_src = [], []
     bs = block_size
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed_tokens
-        ids = seq.token_ids[start : start + n]
-        if seq.draft_token_ids and len(ids) < n:  # speculative decoding: the drafts to verify
-            ids = ids + seq.draft_token_ids[: n - len(ids)]
-        if len(ids) < n:  # the last input was sampled by the previous step, still on the device
-            pending_dst.append(len(input_ids) + len(ids))
-            pending_src.append(previous_rows[seq.seq_id])
-            ids = ids + [0]
-        input_ids.extend(ids)
+        input_ids.extend(step_token_ids(seq, n))
         positions.extend(range(start, start + n))
         # BEGIN SOLUTION ch05 slot_mapping
         # One range per block the new tokens touch, not a Python step per token: a
@@ -189,7 +180,33 @@ def token_fields(batch: ScheduledBatch, previous_rows: dict[int, int] | None, bl
         context_lens.append(start + n)
         cu.append(cu[-1] + n)
     return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "context_lens": context_lens,
-            "cu_seqlens_q": cu, "pending_dst": pending_dst, "pending_src": pending_src}
+            "cu_seqlens_q": cu}
+
+
+def step_token_ids(seq: Sequence, n: int) -> list[int]:
+    """The n input ids ``seq`` computes this step: its next tokens; for a decode verifying
+    drafts (speculative decoding, chapter 19) the drafts after them; and a placeholder 0 for
+    a newest token still on the device (asynchronous scheduling, chapter 17: ``pending_rows``)."""
+    start = seq.num_computed_tokens
+    ids = seq.token_ids[start : start + n]
+    if seq.draft_token_ids and len(ids) < n:
+        ids = ids + seq.draft_token_ids[: n - len(ids)]
+    return ids + [0] * (n - len(ids))
+
+
+def pending_rows(batch: ScheduledBatch, previous_rows: dict[int, int] | None, cu: list[int]) -> dict[str, list[int]]:
+    """With asynchronous scheduling a sequence's newest token may still be on the device: its
+    input row (the sequence's last) holds a placeholder, filled on the device from row
+    ``previous_rows[seq_id]`` of the previous step's sampled tokens. Input row
+    ``pending_dst[i]`` is row ``pending_src[i]`` of those tokens."""
+    dst, src = [], []
+    if previous_rows is None:  # no step in flight: every input is on the host
+        return {"pending_dst": dst, "pending_src": src}
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if seq.num_computed_tokens + n > len(seq.token_ids) + len(seq.draft_token_ids):
+            dst.append(cu[i + 1] - 1)
+            src.append(previous_rows[seq.seq_id])
+    return {"pending_dst": dst, "pending_src": src}
 
 
 def logits_rows(batch: ScheduledBatch, rows, cu: list[int]) -> list[int]:

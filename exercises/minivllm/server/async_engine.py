@@ -44,7 +44,7 @@ import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParameter, SamplingParams
 
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,12 @@ class RequestQueues:
         compiler = await asyncio.to_thread(self.grammar_compiler)  # (the first call reads the vocabulary)
         # Shielded: the compile is shared with whoever else asked for this spec, and goes on
         # for the cache if this caller leaves.
-        await asyncio.shield(asyncio.wrap_future(compiler.submit(sampling_params.structured_outputs)))
+        compiled = await asyncio.shield(asyncio.wrap_future(compiler.submit(sampling_params.structured_outputs)))
+        allowed = sampling_params.allowed_token_ids
+        if allowed is not None and not compiler.first_tokens(compiled)[sorted(set(allowed))].any():
+            # Nothing could be drawn for the first token: refused here, not failed in a step.
+            raise InvalidParameter("SamplingParams.allowed_token_ids: the grammar allows none of these tokens "
+                                   "to start the output, so nothing could be sampled", "allowed_token_ids")
 
 
 class AsyncLLMEngine(RequestQueues):

@@ -16,14 +16,26 @@ fields (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
 ``skip_special_tokens``, ``chat_template_kwargs``...) are accepted here too.
 """
 import dataclasses
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.structured import StructuredOutputsParams
+
+
+# Bounds on a body's structure, checked while it is parsed: its cost grows with the number of
+# objects in it, not with its bytes (500,000 empty messages fit in 15 MB), so each list a
+# client may make long is bounded, and the body's JSON objects and keys are counted first.
+MAX_MESSAGES = 4096  # messages per chat (or /tokenize) request: long agent conversations stay well under
+MAX_CONTENT_PARTS = 256  # text parts per message
+MAX_TOOLS = 128  # tools per request, and tool calls per assistant message
+MAX_JSON_MEMBERS = 100_000  # JSON objects and keys per body, all levels together
+# Bodies below this many bytes cannot hold MAX_JSON_MEMBERS: they go straight to the parser.
+PRESCAN_BYTES = 256 * 2**10
 
 
 class APIError(Exception):
@@ -110,8 +122,10 @@ class SamplingFields(Lenient):
     @classmethod
     def _token_id_keys(cls, value):
         """JSON object keys are strings: they must spell token ids."""
-        if value is not None and not all(k.isdigit() for k in value):
-            raise ValueError("keys must be token ids written as decimal strings (\"50256\")")
+        # ASCII digits only: str.isdigit() passes "²" and "٣", which int() refuses or reads
+        # as 3; and ten at most, so that int() never meets a 5,000-digit key.
+        if value is not None and not all(k.isascii() and k.isdigit() and len(k) <= 10 for k in value):
+            raise ValueError("keys must be token ids written as decimal strings of ASCII digits (\"50256\")")
         return value
 
 
@@ -187,9 +201,10 @@ class TextPart(Lenient):
 class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null: an assistant turn that said nothing (a client sends back tool calls with it)
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: "list[ToolCallIn] | None" = None  # an assistant's calls, sent back with the results
+    # an assistant's calls, sent back with the results
+    tool_calls: "Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None" = None
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
@@ -316,13 +331,13 @@ class ToolCallIn(Lenient):
 
 
 class ToolFields(Lenient):
-    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields, ToolFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None  # None: until the context is full
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
@@ -341,7 +356,8 @@ class TokenizeRequest(ChatTemplateFields):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered by the template
     # False, as /v1/completions tokenizes a prompt here, so that the count is what a
     # completion would be charged (vLLM's default is True).
     add_special_tokens: bool = False
@@ -401,6 +417,8 @@ def parse_request(body: bytes, model: type[Strict]) -> Strict:
     """The body as ``model``, or an APIError(400) naming the first bad field. Fields ``model``
     does not know are left in the result's ``model_extra`` (see ``ignored_fields``), except
     those in NOT_SUPPORTED, which are refused unless they ask for nothing."""
+    if len(body) > PRESCAN_BYTES:
+        check_structure(body)
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as e:
@@ -421,6 +439,38 @@ def parse_request(body: bytes, model: type[Strict]) -> Strict:
         if check is not None and not check(value):
             raise APIError(400, f"{name}: not supported by this server (leave it out)", param=name)
     return parsed
+
+
+class _TooManyMembers(Exception):
+    pass
+
+
+def check_structure(body: bytes) -> None:
+    """Refuse a body of more than MAX_JSON_MEMBERS objects and keys, counted while Python's
+    parser reads it and stopped at the first one past the limit: what the request models
+    would build from it (half a million empty messages took 2 GB and 12 s) is never built.
+    Invalid JSON is left to the parser, which says where."""
+    # Every object has a "{" and every key a ":" after it: a body with fewer of those bytes
+    # than the limit is under it, and skips the count (counting bytes is a pass in C).
+    if body.count(b"{") + body.count(b":") <= MAX_JSON_MEMBERS:
+        return
+    count = 0
+
+    def counted(pairs):
+        nonlocal count
+        count += 1 + len(pairs)
+        if count > MAX_JSON_MEMBERS:
+            raise _TooManyMembers
+        return None  # (the objects themselves are not kept: the request model parses the body)
+
+    try:
+        json.loads(body, object_pairs_hook=counted)
+    except _TooManyMembers:
+        raise APIError(400, f"the request body holds more than {MAX_JSON_MEMBERS} JSON objects and keys (at most "
+                            f"{MAX_MESSAGES} messages of at most {MAX_CONTENT_PARTS} parts, {MAX_TOOLS} tools)",
+                       code="request_too_complex") from None
+    except (ValueError, RecursionError):  # (not JSON, or nested past Python's parser: the model's parser says so)
+        return
 
 
 def ignored_fields(body: Lenient) -> list[str]:
