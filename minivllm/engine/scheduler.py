@@ -27,8 +27,9 @@ class ScheduledBatch:
     # first position, count) for each run of positions whose logits score the prompt token
     # after them this step.
     prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
-    # Speculative decoding: of num_new_tokens[i], how many are draft tokens (computed after
-    # the sequence's last known token, to be verified). Empty: none this step.
+    # Speculative decoding (set by its feature once the batch is scheduled): of
+    # num_new_tokens[i], how many are draft tokens (computed after the sequence's last known
+    # token, to be verified). Empty: none this step.
     num_drafts: list[int] = field(default_factory=list)
     cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache at this step's admissions
 
@@ -69,8 +70,6 @@ class Scheduler:
         hits_before = self.block_manager.cache_hit_tokens
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
-        if any(seq.draft_token_ids for seq in batch.seqs):
-            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
         batch.block_copies = self.block_manager.take_block_copies()
         batch.cache_hit_tokens = self.block_manager.cache_hit_tokens - hits_before
         return batch

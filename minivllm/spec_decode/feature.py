@@ -50,6 +50,8 @@ class Speculation(StepFeature):
         return []
 
     def after_schedule(self, batch) -> None:
+        if any(seq.draft_token_ids for seq in batch.seqs):  # the drafts the scheduler kept (their budget)
+            batch.num_drafts = [len(seq.draft_token_ids) for seq in batch.seqs]
         for seq in batch.preempted:  # a draft model computes it again from its tokens when it comes back
             self.proposer.forget(seq)
 
