@@ -9,6 +9,9 @@ and chat alike; bad values must come back as 400s naming the field. Your ``_disp
 the abort in ``generate`` (exercises/minivllm/server/async_engine.py) are checked on a tiny
 model: concurrent callers get exactly the offline engine's tokens, and a caller that stops
 early (closes its iterator, or is cancelled, even twice) leaves the KV pool entirely free.
+The loop of ``generate`` is checked on outputs the test puts in the request's queue itself:
+each one in order and nothing after the finished one, a failed request raised, the engine's
+death raised, and no abort owed after any of them.
 
 The main exercise is the streaming handler, ``stream_events``
 (exercises/minivllm/server/streaming.py), driven here by fake cumulative outputs: each event
@@ -417,3 +420,97 @@ def test_ch14_outputs_that_run_out_still_end_the_stream():
         "no output at all: no usage to give, only [DONE]")
     first = payloads_of(run_stream([stream], first=[{"index": 0, "role": "assistant"}]))
     assert first[0]["choices"] == [{"index": 0, "role": "assistant"}], "the first chunk given goes out first"
+
+
+# --- the caller's side of the queue: generate's loop ---------------------------------------
+
+
+def _quiet(llm, monkeypatch):
+    """An AsyncLLMEngine whose engine takes requests in but never runs them, and records the
+    aborts it is asked for: the test puts each output in the request's queue itself."""
+    aborted = []
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: None)
+    monkeypatch.setattr(llm.engine, "abort_request", lambda request_id: aborted.append(request_id) or True)
+    return AsyncLLMEngine(llm.engine), aborted
+
+
+async def _next_after(engine, stream, request_id, item):
+    """Ask the stream for its next output, put ``item`` in the request's queue once the
+    stream waits on it, and return what the stream gives (or raises)."""
+    waiting = asyncio.ensure_future(stream.__anext__())
+    for _ in range(2000):
+        if request_id in engine._queues or waiting.done():
+            break
+        await asyncio.sleep(0.005)
+    if isinstance(item, BaseException):
+        engine._fail_all(item)
+    elif item is not None:
+        engine._dispatch([item])
+    return await asyncio.wait_for(waiting, 10)
+
+
+def failed(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "", [])], finished=True, error=error)
+
+
+def test_ch14_generate_yields_each_output_and_ends_after_the_finished_one(llm, monkeypatch):
+    async def run():
+        engine, aborted = _quiet(llm, monkeypatch)
+        try:
+            stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="r")
+            sent = [output("r", 1), output("r", 2), output("r", 3, finished=True)]
+            got = [await _next_after(engine, stream, "r", out) for out in sent]
+            assert got == sent, "the caller must get each output of its request, in order"
+            try:
+                await asyncio.wait_for(stream.__anext__(), 5)
+            except StopAsyncIteration:
+                pass
+            except asyncio.TimeoutError:
+                pytest.fail("the stream must end after the output that says the request finished, not wait for more")
+            else:
+                pytest.fail("nothing may come after the finished output")
+            await asyncio.sleep(0.1)
+            assert aborted == [], "a request that finished has nothing to abort"
+        finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        asyncio.run(run())
+
+
+def test_ch14_a_request_the_engine_failed_raises_and_is_not_aborted(llm, monkeypatch):
+    from minivllm.server.async_engine import RequestFailedError
+
+    async def run():
+        engine, aborted = _quiet(llm, monkeypatch)
+        try:
+            stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="f")
+            assert await _next_after(engine, stream, "f", output("f", 1)) is not None
+            with pytest.raises(RequestFailedError, match="grammar exploded"):
+                await _next_after(engine, stream, "f", failed("f", "grammar exploded"))
+            await asyncio.sleep(0.1)
+            assert aborted == [], "the engine already ended a request it failed: nothing to abort"
+        finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        asyncio.run(run())
+
+
+def test_ch14_the_engine_dying_mid_stream_reaches_the_caller(llm, monkeypatch):
+    from minivllm.server.async_engine import EngineDeadError
+
+    async def run():
+        engine, aborted = _quiet(llm, monkeypatch)
+        try:
+            stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="d")
+            await _next_after(engine, stream, "d", output("d", 1))
+            with pytest.raises(EngineDeadError, match="device fell over"):
+                await _next_after(engine, stream, "d", EngineDeadError("device fell over"))
+            await asyncio.sleep(0.1)
+            assert aborted == [], "a dead engine has nothing left to abort"
+        finally:
+            await engine.shutdown()
+
+    with torch_threads(1):
+        asyncio.run(run())

@@ -310,6 +310,7 @@ class AsyncLLMEngine(RequestQueues):
             await asyncio.shield(submitted)
             self._work.set()
             while True:
+                # BEGIN SOLUTION ch14 next_output
                 output = await queue.get()
                 if isinstance(output, BaseException):
                     finished = True  # nothing left to abort: the engine is gone
@@ -317,6 +318,7 @@ class AsyncLLMEngine(RequestQueues):
                 finished = output.finished
                 if output.error is not None:
                     raise RequestFailedError(output.error)
+                # END SOLUTION
                 yield output
                 if finished:
                     return

@@ -317,13 +317,18 @@ class AsyncLLMEngine(RequestQueues):
             await asyncio.shield(submitted)
             self._work.set()
             while True:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    finished = True  # nothing left to abort: the engine is gone
-                    raise output
-                finished = output.finished
-                if output.error is not None:
-                    raise RequestFailedError(output.error)
+                raise NotImplementedError(
+                    "ch14: AsyncLLMEngine.generate, the loop's next output: wait on the request's "
+                    "queue, where the engine loop puts each of its outputs (and, if the engine "
+                    "dies, the exception that killed it, for every open request), and decide what "
+                    "the output means before the given code hands it to the caller and ends the "
+                    "stream after a finished one. A request the engine failed alone arrives as an "
+                    "output whose error field is set: raise RequestFailedError with it instead of "
+                    "handing it on. An exception from the queue is raised as it is. Keep the "
+                    "finally's flag (finished) true whenever nothing is left to abort: after a "
+                    "finished output, a failed one, or the engine's death, see "
+                    "notebooks/14_serving.ipynb"
+                )
                 yield output
                 if finished:
                     return
