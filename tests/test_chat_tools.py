@@ -94,14 +94,19 @@ def test_the_tools_tool_results_and_calls_reach_the_template_as_on_the_server(ll
     assert im_end not in out.prompt_token_ids  # the one written in the arguments is text
 
 
-def test_without_a_constraint_the_outputs_are_the_plain_chats(llm):
-    """tool_choice auto and none change nothing but the prompt: with a template that ignores
-    the tools, the outputs are those of a chat without them."""
+def test_without_a_constraint_the_outputs_are_the_prompts(llm):
+    """tool_choice auto and none change nothing but the prompt: the bundled template renders
+    the tools (as Qwen3's does), and the outputs are those of that prompt, unconstrained."""
     params = SamplingParams(temperature=0, max_tokens=12)
-    plain = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].token_ids
-    for choice in ("auto", "none", None):
+    with_tools = llm.get_tokenizer().apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True,
+                                                         tokenize=False)
+    assert "get_weather" in with_tools and "get_weather" not in llm.get_tokenizer().apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False), "the template renders the tools into the prompt"
+    plain = llm.chat(MESSAGES, params, tools=TOOLS, tool_choice="auto", use_tqdm=False)[0]
+    assert plain.prompt == with_tools
+    for choice in ("none", None):
         assert llm.chat(MESSAGES, params, tools=TOOLS, tool_choice=choice, use_tqdm=False)[0].outputs[0].token_ids \
-            == plain
+            == plain.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("kwargs,param,message", [
