@@ -99,7 +99,7 @@ class OutputProcessor:
                     stream: bool) -> RequestState:
         params = seq.sampling_params
         detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, seq.prompt_token_ids)
-                       if self.tokenizer else None)
+                       if self.tokenizer and params.detokenize else None)
         bad_words = self.bad_word_ids(params)
         return RequestState(
             seq, prompt, detokenizer, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,
