@@ -231,16 +231,19 @@ def docs_html(spec: dict, bodies: dict) -> str:
 
 
 def serve(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          config: ServerConfig | None = None, grace_s: float = 2.0) -> int:
+          config: ServerConfig | None = None, grace_s: float = 2.0, log_level: str = "info",
+          access_log: bool = True) -> int:
     """Serve until interrupted (what ``minivllm serve`` runs). Returns the process's exit
     status: 1 if the engine died, so that a supervisor restarts the server; open streams get
-    their error events during ``grace_s`` before it stops."""
+    their error events during ``grace_s`` before it stops. ``log_level`` is uvicorn's
+    (--uvicorn-log-level); ``access_log`` False logs no line per request (--disable-log-requests)."""
     import uvicorn
 
     from minivllm.server.connections import uvicorn_config
 
     server = uvicorn.Server(uvicorn_config(build_app(engine, model_name, config=config), host=host, port=port,
-                                           log_level="info", timeout_graceful_shutdown=5))
+                                           log_level=log_level, access_log=access_log,
+                                           timeout_graceful_shutdown=5))
 
     def stop_soon():
         asyncio.get_running_loop().call_later(grace_s, setattr, server, "should_exit", True)
