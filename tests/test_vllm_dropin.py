@@ -105,3 +105,21 @@ def test_sampling_params_vllm_fields(llm):
         with pytest.raises(InvalidParameter) as e:
             SamplingParams(**kwargs)
         assert e.value.param == name
+
+
+def test_request_metrics_mark_each_stage_in_order(llm):
+    outputs = llm.generate([[5, 6, 7, 8] * 4, [9, 10]], SamplingParams(temperature=0.8, max_tokens=5, n=2,
+                                                                       ignore_eos=True), use_tqdm=False)
+    for out in outputs:
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+
+
+def test_request_metrics_while_streaming(llm):
+    request_id = llm.engine.add_request([5, 6, 7], GREEDY, stream=True)
+    seen = []
+    while not seen or not seen[-1].finished:
+        seen += [o for o in llm.engine.step() if o.request_id == request_id]
+    assert seen[0].metrics.first_token_time == seen[-1].metrics.first_token_time
+    assert seen[0].metrics.last_token_time < seen[-1].metrics.last_token_time
