@@ -108,3 +108,69 @@ def test_whole_vocabulary_needs_the_flag(tmp_path_factory):
     assert got.status_code == 400 and got.json()["error"]["param"] == "logprobs"
     assert "--max-logprobs" in got.json()["error"]["message"]
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs"
+
+
+def events(response) -> list:
+    import json
+
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_return_token_ids(server):
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]
+    streamed = events(post(server, "/v1/completions", {**body, "stream": True}))
+    assert whole["prompt_token_ids"] and len(whole["token_ids"]) == 4
+    assert streamed[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for e in streamed for c in e["choices"] for t in c["token_ids"]] == whole["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    answer = post(server, "/v1/chat/completions", chat).json()
+    assert answer["prompt_token_ids"] and len(answer["choices"][0]["token_ids"]) == 4
+    chunks = events(post(server, "/v1/chat/completions", {**chat, "stream": True}))
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert [t for e in chunks[1:] for c in e["choices"] for t in c.get("token_ids", [])] == \
+        answer["choices"][0]["token_ids"]
+    plain = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(key.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"][1:] for key in top)
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                 "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+                                                 "return_tokens_as_token_ids": True}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
+def test_the_role_chunk_leaves_with_the_first_token(server, monkeypatch):
+    """The chat stream's first chunk (the role) waits for the prefill: a client timing its
+    first token from the first chunk (vLLM's benchmark does) measures the real one."""
+    import time
+
+    engine = server.engine
+    generate = engine.generate
+    delay = 0.5
+
+    async def slow_prefill(*args, **kwargs):
+        import asyncio
+
+        await asyncio.sleep(delay)
+        async for output in generate(*args, **kwargs):
+            yield output
+
+    monkeypatch.setattr(engine, "generate", slow_prefill)
+    start = time.monotonic()
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}) as r:
+        first_line = next(line for line in r.iter_lines() if line.startswith("data: "))
+        waited = time.monotonic() - start
+    assert '"role": "assistant"' in first_line and waited >= delay

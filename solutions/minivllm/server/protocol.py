@@ -105,6 +105,11 @@ class SamplingFields(Lenient):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the answer carries the token ids (each choice's, and the prompt's), and a
+    # logprobs entry names its token "token_id:<id>" rather than by its text (which may not
+    # be valid UTF-8 alone).
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # Score the prompt: each prompt token's log-probability and the top k, in a
     # "prompt_logprobs" list (on each choice of a completion, on a chat response).
     prompt_logprobs: int | None = None
@@ -567,25 +572,27 @@ def usage(*outputs: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0) -> dict | None:
+def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0,
+                        as_ids: bool = False) -> dict | None:
     """Completions' logprobs object for tokens ``start:`` of the completion (the ``k`` most
     likely tokens at each step; ``text_offset`` counts characters from the completion's start,
-    plus ``offset``)."""
+    plus ``offset``). ``as_ids``: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if completion.logprobs is None:
         return None
     pieces = [entry[t].decoded_token or "" for t, entry in zip(completion.token_ids, completion.logprobs)]
     offset += sum(map(len, pieces[:start]))
-    return _logprobs_object(completion.token_ids[start:], completion.logprobs[start:], k, offset)[0]
+    return _logprobs_object(completion.token_ids[start:], completion.logprobs[start:], k, offset, as_ids=as_ids)[0]
 
 
-def echo_logprobs(output: RequestOutput, completion: CompletionOutput | None, k: int, first_token: str) -> dict:
+def echo_logprobs(output: RequestOutput, completion: CompletionOutput | None, k: int, first_token: str,
+                  as_ids: bool = False) -> dict:
     """Completions' logprobs object for an echoed prompt: the prompt's tokens (the first
     with null logprobs, its text ``first_token``), then the completion's tokens so far, if
     ``completion`` (None: the prompt alone, for max_tokens 0); offsets from the prompt's start."""
-    scored = _logprobs_object(output.prompt_token_ids, output.prompt_logprobs, k, 0, first_token)
+    scored = _logprobs_object(output.prompt_token_ids, output.prompt_logprobs, k, 0, first_token, as_ids)
     prompt, offset = scored
     if completion is not None and completion.logprobs is not None:
-        rest, _ = _logprobs_object(completion.token_ids, completion.logprobs, k, offset)
+        rest, _ = _logprobs_object(completion.token_ids, completion.logprobs, k, offset, as_ids=as_ids)
         prompt = {key: prompt[key] + rest[key] for key in prompt}
     return prompt
 
@@ -596,9 +603,11 @@ def echo_offset(output: RequestOutput, first_token: str) -> int:
                                   for t, e in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))
 
 
-def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str = "") -> tuple[dict, int]:
+def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str = "",
+                     as_ids: bool = False) -> tuple[dict, int]:
     """The completions logprobs object of these tokens and their entries (an entry None:
-    the prompt's first token, unscored, whose text is ``first_token``), and the offset after them."""
+    the prompt's first token, unscored, whose text is ``first_token``), and the offset after
+    them (counted in the tokens' text, also when ``as_ids`` names them by id)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         if entry is None:
@@ -608,8 +617,8 @@ def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str =
         else:
             piece = entry[token_id].decoded_token or ""
             token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
-            top.append({(lp.decoded_token or ""): max(lp.logprob, MIN_LOGPROB) for lp in _top(entry, k)})
-        tokens.append(piece)
+            top.append({token_name(t, lp, as_ids): max(lp.logprob, MIN_LOGPROB) for t, lp in _top(entry, k)})
+        tokens.append(f"token_id:{token_id}" if as_ids else piece)
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
@@ -630,27 +639,30 @@ def prompt_logprobs(output: RequestOutput) -> list | None:
             for entry in output.prompt_logprobs]
 
 
-def chat_logprobs(completion: CompletionOutput, k: int, start: int = 0) -> dict | None:
-    """Chat's logprobs object (``content``: one entry per token) for tokens ``start:``."""
+def chat_logprobs(completion: CompletionOutput, k: int, start: int = 0, as_ids: bool = False) -> dict | None:
+    """Chat's logprobs object (``content``: one entry per token) for tokens ``start:``;
+    ``as_ids``: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if completion.logprobs is None:
         return None
 
-    def item(text: str | None, logprob: float) -> dict:
-        text = text or ""
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def item(token_id: int, lp) -> dict:
+        text = token_name(token_id, lp, as_ids)
+        return {"token": text, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
 
     content = []
     for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
-        chosen = entry[token_id]
-        content.append({**item(chosen.decoded_token, chosen.logprob),
-                        "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in _top(entry, k)]})
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]})
     return {"content": content}
 
 
+def token_name(token_id: int, lp, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else (lp.decoded_token or "")
+
+
 def _top(entry: dict, k: int) -> list:
-    """The k most likely tokens of a step, most likely first. (The engine also puts the
-    chosen token in ``entry`` when it ranked below k; it is not one of the top k.)"""
-    return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+    """The k most likely tokens of a step as (id, Logprob), most likely first. (The engine also
+    puts the chosen token in ``entry`` when it ranked below k; it is not one of the top k.)"""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)
 
 
 def now() -> int:
