@@ -174,3 +174,23 @@ def test_the_role_chunk_leaves_with_the_first_token(server, monkeypatch):
         first_line = next(line for line in r.iter_lines() if line.startswith("data: "))
         waited = time.monotonic() - start
     assert '"role": "assistant"' in first_line and waited >= delay
+
+
+def test_continuous_usage_stats(server):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = events(post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": options, "return_token_ids": True}))
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+    sent = 0
+    for chunk in chunks[1:-1]:  # each: the tokens up to and including its own
+        sent += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"]["completion_tokens"] == sent
+        assert chunk["usage"]["total_tokens"] == prompt_tokens + sent
+    batch = events(post(server, "/v1/completions", {"prompt": ["Hello", "The quick brown fox"], "max_tokens": 3,
+                                                    "stream": True, "stream_options": options}))
+    assert all("usage" in c for c in batch)
+    plain = events(post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True,
+                                                    "stream_options": {"include_usage": True}}))
+    assert [("usage" in c) for c in plain] == [False] * (len(plain) - 1) + [True]

@@ -36,8 +36,9 @@ class OpenAIServingChat(OpenAIServingGeneration):
                      for j in range(params.n)]
             if body.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
                 first = [{**f, "prompt_token_ids": ids} for f in first]
-            return EventStream(stream_events(outputs, head, functools.partial(choice, stream=True), body.stream_options,
-                                             first=first, n=params.n))
+            head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options,
+                                             len(ids))
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n))
         return await self.respond(outputs, request, head, choice, params.n, self.extra_fields(body, params))
 
     @staticmethod

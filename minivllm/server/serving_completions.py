@@ -27,8 +27,8 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         choice = functools.partial(self.choice, body, params, echoed)
         if body.stream:
-            return EventStream(stream_events(outputs, head, functools.partial(choice, stream=True), body.stream_options,
-                                             n=params.n))
+            head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options)
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, n=params.n))
         return await self.respond(outputs, request, head, choice, params.n)
 
     async def encode_prompts(self, body: CompletionRequest, params) -> list[tuple[list[int], str | None]]:

@@ -302,6 +302,22 @@ class OpenAIServingGeneration(OpenAIServing):
                             f"smaller n, fewer tokens or fewer logprobs{unbounded}", param=param,
                        code="too_many_logprobs")
 
+    @staticmethod
+    def live_usage(head: dict, choice, stream_options, prompt_tokens: int = 0):
+        """``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM reads it):
+        every chunk carries the usage of its prompt so far. The chunk's ``usage`` is a dict in
+        ``head`` that the choice function brings up to date as the chunk's choices are made,
+        before the chunk is written. Returns (head, choice), unchanged without the option."""
+        if stream_options is None or not (stream_options.include_usage and stream_options.continuous_usage_stats):
+            return head, choice
+        live = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+        def counted(index, output, *args, **kwargs):
+            live.update(usage(output))
+            return choice(index, output, *args, **kwargs)
+
+        return {**head, "usage": live}, counted
+
     async def compile_grammar(self, params, body, request: Request) -> None:
         """The request's grammar compiled off the event loop (a JSON schema can take seconds,
         and everyone else is served meanwhile), in its client's turn (``grammar_gate``): a bad

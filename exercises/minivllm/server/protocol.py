@@ -68,6 +68,8 @@ class Lenient(Strict):
 
 class StreamOptions(Lenient):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last one.
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(Lenient):
