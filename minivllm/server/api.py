@@ -3,6 +3,7 @@
 
     POST /v1/completions        text (or token ids) in, text out; or a batch of prompts, a choice each
     POST /v1/chat/completions   messages in, through the chat template
+    POST /v1/responses          OpenAI's Responses API, for text (``serving_responses``)
     GET  /v1/models[/{id}]      the one model served
     POST /tokenize, /detokenize text or messages to token ids, and back (vLLM's)
     GET  /version               minivllm's version
@@ -36,11 +37,13 @@ from minivllm.server.async_engine import AsyncLLMEngine
 from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import ERROR_HANDLERS, HostCheck, RequestIdHeader, check_api_key
-from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from minivllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                      TokenizeRequest)
 from minivllm.server.serving_chat import OpenAIServingChat
 from minivllm.server.serving_completions import OpenAIServingCompletion
 from minivllm.server.serving_engine import ServerConfig
 from minivllm.server.serving_models import OpenAIServingModels
+from minivllm.server.serving_responses import OpenAIServingResponses
 from minivllm.server.serving_tokenize import OpenAIServingTokenization
 from minivllm.server.streaming import sse_event  # noqa: F401  (chapter 14 shows and tests it from here)
 
@@ -56,6 +59,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 docs = APIRouter(dependencies=[Depends(check_api_key)], include_in_schema=False)
 # The request bodies whose fields /docs lists, by route.
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/responses": ResponsesRequest,
                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
@@ -113,6 +117,13 @@ async def chat_completions(request: Request):
     serving = request.app.state.serving_chat
     return await json_response(
         await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request))
+
+
+@v1.post("/responses")
+async def responses(request: Request):
+    serving = request.app.state.serving_responses
+    return await json_response(
+        await serving.create_response(await serving.read_request(request, ResponsesRequest), request))
 
 
 async def json_response(answer):
@@ -192,6 +203,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     gate = CompileGate()
     state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics, gate)
     state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics, gate)
+    state.serving_responses = OpenAIServingResponses(engine, model_name, config, metrics, gate)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     if config.allowed_origins:

@@ -357,6 +357,66 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields
         return value
 
 
+class ResponseInputText(Lenient):
+    type: Literal["input_text", "output_text"]  # (an assistant turn sent back holds output_text)
+    text: str
+
+
+class ResponseInputMessage(Lenient):
+    """One item of a Responses ``input`` list: a message (vLLM reads function calls and their
+    outputs here too; this server does not yet, and refuses them by their type)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ResponseInputText], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(Lenient):
+    """OpenAI's Responses API (``POST /v1/responses``), for text: ``input`` (a string, or a
+    list of messages) after ``instructions`` (a system message), through the chat template.
+    Tools, structured output (``text.format``) and stored conversations
+    (``previous_response_id``) are refused here for now: /v1/chat/completions has the first two."""
+
+    model: str | None = None
+    input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True  # accepted: nothing is stored, so a response cannot be fetched back
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[dict] | None = None
+    text: dict | None = None
+    previous_response_id: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.tools:
+            raise ValueError("tools: not supported yet on /v1/responses; use /v1/chat/completions for tool calls")
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        if not isinstance(fmt, dict) or fmt.get("type") != "text":
+            raise ValueError("text: only the 'text' format is supported yet on /v1/responses; use "
+                             "/v1/chat/completions' response_format for structured output")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: this server stores no responses; send the whole conversation "
+                             "as input")
+        return self
+
+    def chat_request(self) -> "ChatCompletionRequest":
+        """The same request as a chat completion, which the chat route's checks and engine run."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [ResponseInputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        messages += [{"role": m.role, "content": m.text()} for m in items]
+        fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user}
+        return ChatCompletionRequest.model_validate(fields)
+
+
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a text or a conversation (through the chat template), to token ids."""
 
