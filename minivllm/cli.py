@@ -46,6 +46,17 @@ VLLM_FLAGS = {  # flag name -> (its argparse keywords, a short alias or None)
 }
 
 
+# The flags of VLLM_FLAGS that some values of are honoured.
+VLLM_VALUES = {
+    "tokenizer": "the model's own only (its name or folder): the tokenizer is read from the model's folder",
+    "revision": "a hub id's branch, tag or commit to load",
+    "quantization": "auto or none only: weights in the model's dtype (others: not supported yet)",
+    "kv_cache_dtype": "auto only: the KV cache in the model's dtype (others: not supported yet)",
+    "enable_chunked_prefill": "always on here: a long prompt is split across steps (max_num_batched_tokens)",
+    "pipeline_parallel_size": "1 only: split a model across GPUs with --tensor-parallel-size",
+}
+
+
 def engine_args(args) -> dict:
     """The engine arguments a command line gave; a flag left out is left to the engine's
     default. A value given is passed on as it is, zero and False included, for EngineConfig
@@ -72,9 +83,13 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "vLLM's flags", "accepted so that a vLLM command line starts unchanged: each either acts as in vLLM, "
         "changes nothing here (a notice at startup says why), or is refused with what minivllm does instead")
+    from minivllm.engine.engine_args import ACCEPTED_VLLM_ARGS, REFUSED_VLLM_ARGS
+
     for name, (kwargs, alias) in VLLM_FLAGS.items():
         flags = ["--" + name.replace("_", "-")] + ([alias] if alias else [])
-        group.add_argument(*flags, dest=name, default=None, help=argparse.SUPPRESS, **kwargs)
+        help_text = (f"accepted, changes nothing: {ACCEPTED_VLLM_ARGS[name]}" if name in ACCEPTED_VLLM_ARGS else
+                     f"refused: {REFUSED_VLLM_ARGS[name]}" if name in REFUSED_VLLM_ARGS else VLLM_VALUES[name])
+        group.add_argument(*flags, dest=name, default=None, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
