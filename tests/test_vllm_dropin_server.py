@@ -194,3 +194,16 @@ def test_continuous_usage_stats(server):
     plain = events(post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True,
                                                     "stream_options": {"include_usage": True}}))
     assert [("usage" in c) for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_chat_echo_puts_the_assistants_last_message_first(server):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}],
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 4, "temperature": 0}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Well," + plain
+    chunks = events(post(server, "/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == echoed
+    user_last = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    assert post(server, "/v1/chat/completions", {**user_last, "echo": True}).json()["choices"][0]["message"][
+        "content"] == post(server, "/v1/chat/completions", user_last).json()["choices"][0]["message"]["content"]

@@ -344,6 +344,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's: when the last message is the assistant's (continue_final_message), the answer
+    # starts with that message's text, and the new text follows.
+    echo: bool = False
 
     @field_validator("top_logprobs")
     @classmethod

@@ -32,8 +32,8 @@ class OpenAIServingChat(OpenAIServingGeneration):
         choice = functools.partial(self.choice, plan, answers, params.logprobs, body)
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}
-            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                     for j in range(params.n)]
+            first = [{"index": j, "delta": {"role": "assistant", "content": echoed(body, plan)}, "logprobs": None,
+                      "finish_reason": None} for j in range(params.n)]
             if body.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
                 first = [{**f, "prompt_token_ids": ids} for f in first]
             head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options,
@@ -64,10 +64,18 @@ class OpenAIServingChat(OpenAIServingGeneration):
             answer = answers.setdefault(index, ToolAnswer(plan, self.config.tool_call_parser))
             message, reason = answer.delta(c.text, reason) if stream else answer.message(c.text, reason)
         else:
-            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
+            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant",
+                                                                      "content": echoed(body, plan) + c.text}
         answer = {"index": index, "delta" if stream else "message": message,
                   "logprobs": chat_logprobs(c, k, sent_tokens, body.return_tokens_as_token_ids) if k is not None
                   else None, "finish_reason": reason, "stop_reason": c.stop_reason}
         if body.return_token_ids:  # vLLM's: the choice's new token ids
             answer["token_ids"] = c.token_ids[sent_tokens:]
         return answer
+
+
+def echoed(body: ChatCompletionRequest, plan: ToolPlan | None) -> str:
+    """What ``echo`` puts before the answer's text: the last message's, if it is the
+    assistant's (as vLLM does; an answer of tool calls echoes nothing)."""
+    last = body.messages[-1]
+    return last.text() if body.echo and plan is None and last.role == "assistant" else ""
