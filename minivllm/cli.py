@@ -142,6 +142,7 @@ limits per request (refused before any work, with the status shown):
 
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
+    from minivllm.engine.engine_args import BUNDLED_MODEL
     from minivllm.server.api import ServerConfig
     from minivllm.tokenizer import resolve_chat_template
 
@@ -166,7 +167,7 @@ def server_config(args):
 
         config.max_logprobs = check_max_logprobs(args.max_logprobs)
     config.model_aliases = list((getattr(args, "served_model_name", None) or [])[1:])
-    config.model_root = getattr(args, "model", None) or "bundled"
+    config.model_root = getattr(args, "model", None) or str(BUNDLED_MODEL)
     return config
 
 

@@ -123,3 +123,8 @@ def test_request_metrics_while_streaming(llm):
         seen += [o for o in llm.engine.step() if o.request_id == request_id]
     assert seen[0].metrics.first_token_time == seen[-1].metrics.first_token_time
     assert seen[0].metrics.last_token_time < seen[-1].metrics.last_token_time
+
+
+def test_seed_none_is_the_engines_default(tiny_qwen3_with_tokenizer):
+    config = create_engine_config(str(tiny_qwen3_with_tokenizer), device="cpu", seed=None)
+    assert config.seed == 0

@@ -207,3 +207,9 @@ def test_chat_echo_puts_the_assistants_last_message_first(server):
     user_last = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
     assert post(server, "/v1/chat/completions", {**user_last, "echo": True}).json()["choices"][0]["message"][
         "content"] == post(server, "/v1/chat/completions", user_last).json()["choices"][0]["message"]["content"]
+
+
+def test_the_bundled_models_root_is_its_folder():
+    from minivllm.engine.engine_args import BUNDLED_MODEL
+
+    assert server_config(parse_args(build_parser(), ["serve"])).model_root == str(BUNDLED_MODEL)
