@@ -8,9 +8,11 @@ its range, because a value the sampler cannot take (an ``inf`` temperature, a ``
 share.
 """
 import copy
+import difflib
 import enum
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from minivllm.errors import InvalidParameter
 from minivllm.structured.params import StructuredOutputsParams
@@ -44,6 +46,25 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+def names_closest_on_typo(cls):
+    """``cls(...)`` with a keyword it does not know raises TypeError naming the closest field
+    (``SamplingParams(max_token=5)``: did you mean 'max_tokens'?), not Python's bare message."""
+    init, known = cls.__init__, [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            parts = [f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
+                     for name in unknown]
+            raise TypeError(f"{cls.__name__} has no field(s) {', '.join(parts)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+@names_closest_on_typo
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy

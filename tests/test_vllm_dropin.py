@@ -128,3 +128,10 @@ def test_request_metrics_while_streaming(llm):
 def test_seed_none_is_the_engines_default(tiny_qwen3_with_tokenizer):
     config = create_engine_config(str(tiny_qwen3_with_tokenizer), device="cpu", seed=None)
     assert config.seed == 0
+
+
+def test_a_sampling_params_typo_names_the_field():
+    with pytest.raises(TypeError, match="'max_token' \\(did you mean 'max_tokens'\\?\\)"):
+        SamplingParams(max_token=5)
+    with pytest.raises(TypeError, match="'frobnicate'"):
+        SamplingParams(frobnicate=1)
