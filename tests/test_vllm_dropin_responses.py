@@ -67,8 +67,11 @@ def test_streamed(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},
+     "response_format"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
     ({"input": "hi", "model": "other"}, "model"),
 ])
@@ -76,3 +79,15 @@ def test_refused_with_a_reason(server, body, param):
     got = httpx.post(server.url + "/v1/responses", json=body, headers=AUTH, timeout=60)
     assert got.status_code in (400, 404), got.text
     assert got.json()["error"]["param"] == param
+
+
+def test_text_format_json_schema(client):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    got = client.responses.create(model=SERVED_MODEL, input="Where?", max_output_tokens=40, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "place", "schema": schema,
+                                                   "strict": True}})
+    assert got.status == "completed"
+    assert set(json.loads(got.output_text)) == {"city"}

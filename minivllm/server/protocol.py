@@ -376,8 +376,9 @@ class ResponseInputMessage(Lenient):
 class ResponsesRequest(Lenient):
     """OpenAI's Responses API (``POST /v1/responses``), for text: ``input`` (a string, or a
     list of messages) after ``instructions`` (a system message), through the chat template.
-    Tools, structured output (``text.format``) and stored conversations
-    (``previous_response_id``) are refused here for now: /v1/chat/completions has the first two."""
+    ``text.format`` (json_object, json_schema) constrains the output as chat's
+    ``response_format`` does. Tools and stored conversations (``previous_response_id``) are
+    refused here for now (/v1/chat/completions has tools)."""
 
     model: str | None = None
     input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -398,9 +399,9 @@ class ResponsesRequest(Lenient):
         if self.tools:
             raise ValueError("tools: not supported yet on /v1/responses; use /v1/chat/completions for tool calls")
         fmt = (self.text or {}).get("format", {"type": "text"})
-        if not isinstance(fmt, dict) or fmt.get("type") != "text":
-            raise ValueError("text: only the 'text' format is supported yet on /v1/responses; use "
-                             "/v1/chat/completions' response_format for structured output")
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("text: format is {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                             "'name': ..., 'schema': {...}}")
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id: this server stores no responses; send the whole conversation "
                              "as input")
@@ -413,7 +414,19 @@ class ResponsesRequest(Lenient):
         messages += [{"role": m.role, "content": m.text()} for m in items]
         fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user}
-        return ChatCompletionRequest.model_validate(fields)
+        fmt = dict((self.text or {}).get("format", {"type": "text"}))
+        if fmt["type"] == "json_schema":  # Responses' format holds the schema's fields; chat's nests them
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                k: v for k, v in fmt.items() if k in ("name", "description", "schema", "strict")}}
+        elif fmt["type"] == "json_object":
+            fields["response_format"] = {"type": "json_object"}
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:  # (a text.format the chat's response_format refuses)
+            error = e.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise APIError(400, f"{where.replace('response_format', 'text.format')}: {error['msg']}",
+                           param="text") from None
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -28,6 +28,7 @@ class OpenAIServingResponses(OpenAIServingGeneration):
         ids, text = self.truncate(*await self.encode_messages(chat), params)
         self.check_prompt(ids, params, "input", body=chat)
         response_id = f"resp_{uuid.uuid4().hex}"
+        await self.compile_grammar(params, chat, request)  # text.format's schema, a 400 if it does not compile
         outputs = self.start([(ids, text)], params, response_id, request)
         shell = {"id": response_id, "object": "response", "created_at": now(), "model": self.model_name,
                  "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
