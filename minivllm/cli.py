@@ -85,6 +85,13 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
         "changes nothing here (a notice at startup says why), or is refused with what minivllm does instead")
     from minivllm.engine.engine_args import ACCEPTED_VLLM_ARGS, REFUSED_VLLM_ARGS
 
+    group.add_argument("--max-logprobs", type=int, default=None,
+                       help="top log-probabilities a request may ask for per token, at most 20; -1 lets logprobs=-1 "
+                            "ask for the whole vocabulary (within --max-logprob-entries) (default 20)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="log no line per request (uvicorn's access log)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="default: info")
     for name, (kwargs, alias) in VLLM_FLAGS.items():
         flags = ["--" + name.replace("_", "-")] + ([alias] if alias else [])
         help_text = (f"accepted, changes nothing: {ACCEPTED_VLLM_ARGS[name]}" if name in ACCEPTED_VLLM_ARGS else
@@ -243,13 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", default=None,
                        help="origins whose web pages may call the API (CORS), comma-separated or as vLLM's JSON list "
                             "'[\"https://a.example\"]' (default: none)")
-    serve.add_argument("--max-logprobs", type=int, default=None,
-                       help="top log-probabilities a request may ask for per token, at most 20; -1 lets logprobs=-1 "
-                            "ask for the whole vocabulary (within --max-logprob-entries) (default 20)")
-    serve.add_argument("--disable-log-requests", action="store_true",
-                       help="log no line per request (uvicorn's access log)")
-    serve.add_argument("--uvicorn-log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="default: info")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine core in a process of its own, beside the HTTP server's (default: on for "
                             "a GPU, off on a CPU)")

@@ -5,7 +5,8 @@ a system message, then the input's messages), and the answer is reshaped: one ``
 output item holding one ``output_text`` part, ``usage`` in input and output tokens, and
 ``status`` "incomplete" when ``max_output_tokens`` cut it short. Streamed, it is OpenAI's
 event sequence (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``, whose response's status may be "incomplete"), each event named on an ``event:`` line as OpenAI's and vLLM's are.
+``response.completed``, whose response's status may be "incomplete"), each event named on
+an ``event:`` line as OpenAI's and vLLM's are.
 """
 import json
 import uuid
