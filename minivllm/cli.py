@@ -1,6 +1,7 @@
 """``minivllm generate | chat | serve | bench``; every command defaults to the bundled model."""
 import argparse
 import dataclasses
+import difflib
 import importlib
 import json
 import logging
@@ -26,12 +27,76 @@ def engine_fields():
     return [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
 
 
+# vLLM's engine flags that ``add_vllm_args`` gives ``serve``, as engine_args.vllm_engine_args
+# understands them (accepted with a notice, honoured for some values, or refused by name).
+VLLM_FLAGS = {  # flag name -> (its argparse keywords, a short alias or None)
+    "trust_remote_code": ({"action": "store_true"}, None),
+    "enable_auto_tool_choice": ({"action": "store_true"}, None),
+    "disable_log_stats": ({"action": "store_true"}, None),
+    "disable_custom_all_reduce": ({"action": "store_true"}, None),
+    "enable_chunked_prefill": ({"action": argparse.BooleanOptionalAction}, None),
+    "enable_lora": ({"action": "store_true"}, None),
+    "tokenizer": ({}, None), "revision": ({}, None), "quantization": ({}, "-q"), "kv_cache_dtype": ({}, None),
+    "tokenizer_mode": ({}, None), "download_dir": ({}, None), "load_format": ({}, None),
+    "reasoning_parser": ({}, None), "lora_modules": ({"nargs": "+"}, None),
+    "limit_mm_per_prompt": ({}, None), "mm_processor_kwargs": ({}, None),
+    "swap_space": ({"type": float}, None), "cpu_offload_gb": ({"type": float}, None),
+    "pipeline_parallel_size": ({"type": int}, "-pp"), "data_parallel_size": ({"type": int}, "-dp"),
+    "max_loras": ({"type": int}, None), "max_lora_rank": ({"type": int}, None),
+}
+
+
+# The flags of VLLM_FLAGS that some values of are honoured.
+VLLM_VALUES = {
+    "tokenizer": "the model's own only (its name or folder): the tokenizer is read from the model's folder",
+    "revision": "a hub id's branch, tag or commit to load",
+    "quantization": "auto or none only: weights in the model's dtype (others: not supported yet)",
+    "kv_cache_dtype": "auto only: the KV cache in the model's dtype (others: not supported yet)",
+    "enable_chunked_prefill": "always on here: a long prompt is split across steps (max_num_batched_tokens)",
+    "pipeline_parallel_size": "1 only: split a model across GPUs with --tensor-parallel-size",
+}
+
+
 def engine_args(args) -> dict:
     """The engine arguments a command line gave; a flag left out is left to the engine's
     default. A value given is passed on as it is, zero and False included, for EngineConfig
-    to honour or refuse (``--max-num-seqs 0`` is an error, not the default)."""
+    to honour or refuse (``--max-num-seqs 0`` is an error, not the default). vLLM's flags
+    (``VLLM_FLAGS``) given are passed on too, for ``LLMEngine.from_engine_args`` to read."""
     given = {f.name: getattr(args, f.name, None) for f in engine_fields()}
+    given.update({name: getattr(args, name, None) for name in VLLM_FLAGS})
     return {name: value for name, value in given.items() if value is not None}
+
+
+def checked_engine_args(args) -> dict:
+    """``engine_args(args)``, vLLM's flags among them checked now, before any weight is
+    loaded (a refused one is a usage error, in either engine mode), each accepted flag's
+    notice logged once."""
+    from minivllm.engine.engine_args import vllm_engine_args
+
+    given = engine_args(args)
+    tokenizer = given.pop("tokenizer", None)
+    checked, revision = vllm_engine_args(given)
+    return {**checked, **{k: v for k, v in (("tokenizer", tokenizer), ("revision", revision)) if v is not None}}
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "vLLM's flags", "accepted so that a vLLM command line starts unchanged: each either acts as in vLLM, "
+        "changes nothing here (a notice at startup says why), or is refused with what minivllm does instead")
+    from minivllm.engine.engine_args import ACCEPTED_VLLM_ARGS, REFUSED_VLLM_ARGS
+
+    group.add_argument("--max-logprobs", type=int, default=None,
+                       help="top log-probabilities a request may ask for per token, at most 20; -1 lets logprobs=-1 "
+                            "ask for the whole vocabulary (within --max-logprob-entries) (default 20)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="log no line per request (uvicorn's access log)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="default: info")
+    for name, (kwargs, alias) in VLLM_FLAGS.items():
+        flags = ["--" + name.replace("_", "-")] + ([alias] if alias else [])
+        help_text = (f"accepted, changes nothing: {ACCEPTED_VLLM_ARGS[name]}" if name in ACCEPTED_VLLM_ARGS else
+                     f"refused: {REFUSED_VLLM_ARGS[name]}" if name in REFUSED_VLLM_ARGS else VLLM_VALUES[name])
+        group.add_argument(*flags, dest=name, default=None, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +105,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "EngineConfig's fields (left out: the engine's default)")
     for f in engine_fields():
         flag = "--" + f.name.replace("_", "-")
+        if f.name == "tensor_parallel_size":  # vLLM's short form
+            group.add_argument(flag, "-tp", type=int, default=None, help="default: 1")
+            continue
         kinds = set(f.type.__args__) - {type(None)} if isinstance(f.type, types.UnionType) else {f.type}
         default = None if f.default is dataclasses.MISSING else f.default
         if f.name == "dtype":
@@ -81,6 +149,7 @@ limits per request (refused before any work, with the status shown):
 
 def server_config(args):
     """The ServerConfig a ``serve`` command line gave."""
+    from minivllm.engine.engine_args import BUNDLED_MODEL
     from minivllm.server.api import ServerConfig
     from minivllm.tokenizer import resolve_chat_template
 
@@ -99,8 +168,25 @@ def server_config(args):
     elif args.host not in LOOPBACK_HOSTS:
         config.allowed_hosts = ["*"]  # reached by whatever name the network gives it
     if args.allowed_origins is not None:
-        config.allowed_origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+        config.allowed_origins = origins(args.allowed_origins)
+    if getattr(args, "max_logprobs", None) is not None:
+        from minivllm.sampling_params import check_max_logprobs
+
+        config.max_logprobs = check_max_logprobs(args.max_logprobs)
+    config.model_aliases = list((getattr(args, "served_model_name", None) or [])[1:])
+    config.model_root = getattr(args, "model", None) or str(BUNDLED_MODEL)
     return config
+
+
+def origins(value: str) -> list[str]:
+    """``--allowed-origins``: vLLM's JSON list (``'["https://a.example", "*"]'``) or minivllm's
+    comma-separated names."""
+    if value.lstrip().startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+            raise ValueError(f"--allowed-origins {value!r}: a JSON list of strings, or names separated by commas")
+        return [o.strip() for o in parsed if o.strip()]
+    return [o.strip() for o in value.split(",") if o.strip()]
 
 
 def uses_engine_process(args) -> bool:
@@ -136,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (or --model)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
-    serve.add_argument("--served-model-name", default=None,
-                       help="the name clients ask for (default: the model as given, or 'bundled')")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the name(s) clients ask for; the first is the one answers report, the others are "
+                            "aliases (default: the model as given, or 'bundled')")
     serve.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
@@ -161,11 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated Host names to answer to; '*' for any (default: loopback names when "
                             "--host is loopback, else any)")
     serve.add_argument("--allowed-origins", default=None,
-                       help="comma-separated origins whose web pages may call the API (CORS; default: none)")
+                       help="origins whose web pages may call the API (CORS), comma-separated or as vLLM's JSON list "
+                            "'[\"https://a.example\"]' (default: none)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine core in a process of its own, beside the HTTP server's (default: on for "
                             "a GPU, off on a CPU)")
     add_engine_args(serve)
+    add_vllm_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, kernels, moe, gated-delta, tp: a CUDA GPU; serving: any)")
     bench.add_argument("which", choices=list(BENCHMARKS))
@@ -193,12 +282,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        refuse_unknown(parser, args, unknown)
     if args.command == "serve":
         if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
             parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model or args.model_tag
     return args
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, args, unknown: list[str]) -> None:
+    """argparse's error for arguments nobody knows, each flag with the closest known one (a
+    typo, most often)."""
+    command = next(a for a in parser._subparsers._actions if isinstance(a, argparse._SubParsersAction))
+    known = [flag for action in command.choices[args.command]._actions for flag in action.option_strings]
+    parts = []
+    for arg in unknown:
+        flag = arg.partition("=")[0]
+        close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("-") else []
+        parts.append(arg + (f" (did you mean {close[0]}?)" if close else ""))
+    parser.error(f"unrecognized arguments: {' '.join(parts)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,25 +324,27 @@ def main(argv: list[str] | None = None) -> None:
         from minivllm.server.api import serve as run_server
         from minivllm.server.async_engine import AsyncLLMEngine
 
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
         try:
-            config = server_config(args)
-        except ValueError as e:  # a --chat-template that is neither a file nor a template
+            config = server_config(args)  # (a --chat-template that is neither a file nor a template: ValueError)
+            given = checked_engine_args(args)  # vLLM's flags: a refused one ends here, before any loading
+        except ValueError as e:
             parser.error(str(e))
         if args.host not in LOOPBACK_HOSTS and args.api_key is None:
             print(f"warning: serving on {args.host} with no --api-key: anyone who can reach it can use it",
                   file=sys.stderr)
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
         try:
             if uses_engine_process(args):
                 from minivllm.server.engine_client import EngineCoreClient
 
-                engine = EngineCoreClient(args.model, **engine_args(args))
+                engine = EngineCoreClient(args.model, **given)
             else:
-                engine = AsyncLLMEngine.from_model(args.model, **engine_args(args))
+                engine = AsyncLLMEngine.from_model(args.model, **given)
         except ValueError as e:  # a flag EngineConfig refuses (--max-num-seqs 0), a model past its limits
             parser.error(str(e))
-        name = args.served_model_name or (args.model or "bundled")
-        sys.exit(run_server(engine, name, args.host, args.port, config))
+        name = args.served_model_name[0] if args.served_model_name else (args.model or "bundled")
+        sys.exit(run_server(engine, name, args.host, args.port, config, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_log_requests))
     elif args.command == "bench":
         options = {}
         if args.which == "throughput":

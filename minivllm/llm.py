@@ -12,7 +12,8 @@ from minivllm.engine.engine_args import BUNDLED_MODEL  # noqa: F401  (the tests 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.request_limits import truncated
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import InvalidParameter, SamplingParams
+from minivllm.sampling_params import (MAX_LOGPROBS, InvalidParameter, SamplingParams, check_max_logprobs,
+                                      resolve_logprobs)
 from minivllm.structured.tools import template_tool_calls, tool_plan
 from minivllm.tokenizer import encode_chat, message_text
 
@@ -37,14 +38,26 @@ def frozen_heap():
 
 
 class LLM:
-    """Offline inference. ``LLM()`` with no model uses the small bundled model."""
+    """Offline inference. ``LLM()`` with no model uses the small bundled model.
+
+    ``engine_args`` are EngineConfig's fields, and vLLM's keywords as
+    ``minivllm.engine.engine_args.vllm_engine_args`` reads them (``trust_remote_code``,
+    ``seed``, ``revision``, ``tokenizer``: the model's own...). ``max_logprobs`` bounds the
+    log-probabilities a request may ask for per token (vLLM's; -1 allows ``logprobs=-1``, the
+    whole vocabulary)."""
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | None = None, **engine_args):
+                 device: str | None = None, max_logprobs: int = MAX_LOGPROBS, **engine_args):
+        self.max_logprobs = check_max_logprobs(max_logprobs)
         self.engine = LLMEngine.from_engine_args(model, dtype, device, **engine_args)
         self.tokenizer = self.engine.tokenizer
         self.default_sampling_fields = self.engine.default_sampling_fields
         self._counter = 0
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
 
     # -- inputs ------------------------------------------------------------------------
 
@@ -53,7 +66,9 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model ships no tokenizer: pass prompts as token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
-        if isinstance(prompt, dict):
+        if isinstance(prompt, dict):  # minivllm.inputs' TokensPrompt or TextPrompt
+            if "multi_modal_data" in prompt:
+                raise ValueError("multi_modal_data: minivllm serves text models only")
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
@@ -75,13 +90,15 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         tokenized = [self._tokenize(p) for p in prompts]
+        sampling_params = list(sampling_params)
         for i, ((ids, _), params) in enumerate(zip(tokenized, sampling_params)):
-            params = params or SamplingParams()
             try:  # the prompt, and its parameters against this model
+                params = resolve_logprobs(params or SamplingParams(), self.engine.limits.vocab_size, self.max_logprobs)
                 self.engine.validate_request(truncated(ids, params), params)
             except ValueError as e:
                 e.args = (f"prompt {i}: {e}",)  # (an InvalidParameter stays one, naming its field)
                 raise
+            sampling_params[i] = params
         ids = []
         for (token_ids, text), params in zip(tokenized, sampling_params):
             self._counter += 1
@@ -92,7 +109,8 @@ class LLM:
     # -- generation --------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt (a string, a list of token ids, or a ``minivllm.inputs``
+        TextPrompt / TokensPrompt dict); outputs come back in prompt order."""
         request_ids = self._add(prompts, sampling_params)
         order = {rid: i for i, rid in enumerate(request_ids)}
         results: list[RequestOutput | None] = [None] * len(request_ids)

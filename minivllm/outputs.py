@@ -1,4 +1,5 @@
 """What a request gives back: vLLM's RequestOutput / CompletionOutput shape."""
+import time
 from dataclasses import dataclass, field
 
 
@@ -14,6 +15,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    # The sum of the sampled tokens' log-probabilities, when SamplingParams.logprobs was given;
+    # else None, as in vLLM's V1 engine: the sampler computes no log-softmax over the
+    # vocabulary for a batch where no request wants log-probabilities.
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running
@@ -21,6 +25,27 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """When a request reached each stage, vLLM's names, in seconds of ``time.monotonic()`` (vLLM
+    uses the wall clock: these are for differences, such as the time to the first token,
+    ``first_token_time - arrival_time``, and do not jump when the clock is set). None: not yet."""
+
+    arrival_time: float  # the engine took the request
+    first_scheduled_time: float | None = None  # its first step was scheduled (after its wait in the queue)
+    first_token_time: float | None = None  # its first token reached the host
+    last_token_time: float | None = None  # its latest token reached the host
+
+    def token_arrived(self) -> None:
+        self.last_token_time = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -40,6 +65,7 @@ class RequestOutput:
     error: str | None = None
     # Speculative decoding: how its drafts fared (None when it verified none).
     spec_decode: "SpecDecodeMetrics | None" = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

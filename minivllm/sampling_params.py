@@ -7,8 +7,12 @@ its range, because a value the sampler cannot take (an ``inf`` temperature, a ``
 64 bits) would otherwise fail, or silently sample noise, inside a step that other requests
 share.
 """
+import copy
+import difflib
+import enum
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from minivllm.errors import InvalidParameter
 from minivllm.structured.params import StructuredOutputsParams
@@ -26,9 +30,41 @@ MAX_TEMPERATURE = 1e30
 REPETITION_PENALTY_BOUNDS = (1e-30, 1e30)
 # The most top log-probabilities a request may ask for, per sampled or prompt token (vLLM's
 # default max_logprobs): each costs a top-k over the vocabulary and an entry in the output.
+# -1 asks for the whole vocabulary, which the engine allows only with max_logprobs=-1
+# (``LLM(max_logprobs=-1)``, ``minivllm serve --max-logprobs -1``), as vLLM does.
 MAX_LOGPROBS = 20
+WHOLE_VOCABULARY = -1
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``SamplingParams.output_kind``: what each output of a streamed request holds.
+    minivllm's outputs are always cumulative (each holds the text and tokens so far), and
+    ``LLM.generate`` returns only the final one whatever the kind, as vLLM's does."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def names_closest_on_typo(cls):
+    """``cls(...)`` with a keyword it does not know raises TypeError naming the closest field
+    (``SamplingParams(max_token=5)``: did you mean 'max_tokens'?), not Python's bare message."""
+    init, known = cls.__init__, [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            parts = [f"{name!r}" + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(name, known, 1))
+                     for name in unknown]
+            raise TypeError(f"{cls.__name__} has no field(s) {', '.join(parts)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+@names_closest_on_typo
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
@@ -62,6 +98,16 @@ class SamplingParams:
     # Constrained decoding (chapter 18): the output follows a JSON schema, a regex, a choice
     # or a grammar. (A dict is taken as StructuredOutputsParams' fields.)
     structured_outputs: StructuredOutputsParams | None = None
+    # Turn the output tokens into text (False: the outputs' text stays "", and stop strings,
+    # which are found in the text, are refused).
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # see RequestOutputKind
+    # Anything a caller wants carried with the request (vLLM's custom logits processors read
+    # it); minivllm's engine reads none of it.
+    extra_args: dict | None = None
+    # vLLM's slow tokenizers put spaces between special tokens when decoding; the fast
+    # tokenizers minivllm uses never add them, so either value gives the same text.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,8 +139,9 @@ class SamplingParams:
         _check(_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
-                   f"an int in [0, {MAX_LOGPROBS}], or None")
+            _check(value is None or (_int(value) and WHOLE_VOCABULARY <= value <= MAX_LOGPROBS), name, value,
+                   f"an int in [0, {MAX_LOGPROBS}], -1 for the whole vocabulary, or None")
+        self._check_vllm_fields()
         self._check_penalties_and_masks()
         self._check_structured_outputs()
 
@@ -132,6 +179,17 @@ class SamplingParams:
                                                        and self.truncate_prompt_tokens >= 1),
                "truncate_prompt_tokens", self.truncate_prompt_tokens, "an int >= 1, or None")
 
+    def _check_vllm_fields(self) -> None:
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        _check(self.detokenize or not self.stop, "stop", self.stop,
+               "empty with detokenize=False (stop strings are looked for in the text)")
+        _check(self.output_kind in tuple(RequestOutputKind), "output_kind", self.output_kind,
+               "a RequestOutputKind (0 cumulative, 1 delta, 2 final only)")
+        self.output_kind = RequestOutputKind(self.output_kind)
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args,
+               "a dict, or None")
+
     def _check_structured_outputs(self) -> None:
         if isinstance(self.structured_outputs, dict):
             unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
@@ -154,6 +212,38 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+
+def resolve_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+    """``params`` as the engine runs them: a logprobs or prompt_logprobs of -1 (the whole
+    vocabulary, vLLM's meaning) becomes the vocabulary's size. Either past ``max_logprobs``
+    (-1: no limit) is refused by name, as vLLM's engine refuses it."""
+    changes = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if max_logprobs != WHOLE_VOCABULARY and (value == WHOLE_VOCABULARY or value > max_logprobs):
+            raise InvalidParameter(f"SamplingParams.{name}={value} is invalid: this engine returns at most "
+                                   f"{max_logprobs} log-probabilities per token (max_logprobs; -1 there allows -1 "
+                                   f"here, the whole vocabulary)", name)
+        if value == WHOLE_VOCABULARY:
+            changes[name] = vocab_size
+    if not changes:
+        return params
+    resolved = copy.copy(params)  # not dataclasses.replace: the vocabulary's size is past MAX_LOGPROBS
+    for name, value in changes.items():
+        setattr(resolved, name, value)
+    return resolved
+
+
+def check_max_logprobs(max_logprobs) -> int:
+    """vLLM's ``max_logprobs`` setting, checked: -1 (no limit) or an int in [0, MAX_LOGPROBS]
+    (minivllm's SamplingParams take at most MAX_LOGPROBS top entries, or the whole vocabulary)."""
+    if not (_int(max_logprobs) and (max_logprobs == WHOLE_VOCABULARY or 0 <= max_logprobs <= MAX_LOGPROBS)):
+        raise ValueError(f"max_logprobs={max_logprobs!r}: must be an int in [0, {MAX_LOGPROBS}], or -1 to allow the "
+                         f"whole vocabulary (logprobs=-1)")
+    return max_logprobs
 
 
 def _int(value) -> bool:

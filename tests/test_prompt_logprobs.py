@@ -161,7 +161,7 @@ def test_the_streamed_outputs_carry_the_whole_scoring_from_the_first():
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outputs)
 
 
-@pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, True, 2.0, "3"])
+@pytest.mark.parametrize("value", [-2, MAX_LOGPROBS + 1, True, 2.0, "3"])
 def test_a_bad_k_is_refused_by_name(value):
     with pytest.raises(InvalidParameter, match="prompt_logprobs") as e:
         SamplingParams(prompt_logprobs=value)

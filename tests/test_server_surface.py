@@ -70,11 +70,11 @@ def test_unknown_fields_are_ignored_with_a_warning(server, client, offline, capl
                                         extra_body={"temprature": 3, "priority": 1})
         chat = post(server, "/v1/chat/completions", {
             "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi", "refusal": None}],
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+            "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}})
     assert got.choices[0].text == want.outputs[0].text
     assert chat.status_code == 200
     assert "temprature" in caplog.text and "priority" in caplog.text
-    assert "messages.0.refusal" in caplog.text and "stream_options.continuous_usage_stats" in caplog.text
+    assert "messages.0.refusal" in caplog.text and "stream_options.include_obfuscation" in caplog.text
     # Types stay strict for the fields it knows.
     bad = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "6"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"

@@ -7,6 +7,7 @@ when the request arrives (``new_request``): the ids that end it, the ids banned 
 ``min_tokens``, the automaton that finds its stop strings. So the cost per token does not
 grow with how many stop strings or stop ids a request carries.
 """
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stop_strings import StopStrings, stop_strings
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, SpecDecodeMetrics
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
 
@@ -59,6 +60,8 @@ class RequestState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # RequestOutput.metrics: when it arrived, was first scheduled, got its first and latest token.
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
 
 class OutputProcessor:
@@ -99,7 +102,7 @@ class OutputProcessor:
                     stream: bool) -> RequestState:
         params = seq.sampling_params
         detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, seq.prompt_token_ids)
-                       if self.tokenizer else None)
+                       if self.tokenizer and params.detokenize else None)
         bad_words = self.bad_word_ids(params)
         return RequestState(
             seq, prompt, detokenizer, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,
@@ -118,6 +121,7 @@ class OutputProcessor:
         """Give the request its new token; return why it finishes ("stop", "length"), or None."""
         seq, params = request.seq, request.seq.sampling_params
         seq.token_ids.append(token)
+        request.metrics.token_arrived()
         if logprobs is not None:
             chosen, rank, top_ids, top_values = logprobs
             request.cumulative_logprob += chosen
@@ -203,7 +207,17 @@ class OutputProcessor:
             error=next((r.error for r in request.group if r.error is not None), None),
             spec_decode=SpecDecodeMetrics(first.num_draft_tokens, first.num_accepted_tokens, first.num_spec_steps)
             if first.num_spec_steps else None,
+            metrics=self._metrics(request.group),
         )
+
+    @staticmethod
+    def _metrics(group: list[RequestState]) -> RequestMetrics:
+        """The request's metrics: its first completion's, with the latest token of any."""
+        first = group[0].metrics
+        if len(group) == 1:
+            return RequestMetrics(**vars(first))  # a copy: the request's own goes on changing
+        last = max((r.metrics.last_token_time for r in group if r.metrics.last_token_time is not None), default=None)
+        return RequestMetrics(**{**vars(first), "last_token_time": last})
 
     def shown_text_len(self, request: RequestState) -> int:
         """How much of the request's text an output shows now. It only grows, so a stream

@@ -3,6 +3,7 @@
 
     POST /v1/completions        text (or token ids) in, text out; or a batch of prompts, a choice each
     POST /v1/chat/completions   messages in, through the chat template
+    POST /v1/responses          OpenAI's Responses API, for text (``serving_responses``)
     GET  /v1/models[/{id}]      the one model served
     POST /tokenize, /detokenize text or messages to token ids, and back (vLLM's)
     GET  /version               minivllm's version
@@ -36,11 +37,13 @@ from minivllm.server.async_engine import AsyncLLMEngine
 from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.middleware import ERROR_HANDLERS, HostCheck, RequestIdHeader, check_api_key
-from minivllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from minivllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                      TokenizeRequest)
 from minivllm.server.serving_chat import OpenAIServingChat
 from minivllm.server.serving_completions import OpenAIServingCompletion
 from minivllm.server.serving_engine import ServerConfig
 from minivllm.server.serving_models import OpenAIServingModels
+from minivllm.server.serving_responses import OpenAIServingResponses
 from minivllm.server.serving_tokenize import OpenAIServingTokenization
 from minivllm.server.streaming import sse_event  # noqa: F401  (chapter 14 shows and tests it from here)
 
@@ -56,6 +59,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 docs = APIRouter(dependencies=[Depends(check_api_key)], include_in_schema=False)
 # The request bodies whose fields /docs lists, by route.
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/responses": ResponsesRequest,
                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
@@ -113,6 +117,13 @@ async def chat_completions(request: Request):
     serving = request.app.state.serving_chat
     return await json_response(
         await serving.create_chat_completion(await serving.read_request(request, ChatCompletionRequest), request))
+
+
+@v1.post("/responses")
+async def responses(request: Request):
+    serving = request.app.state.serving_responses
+    return await json_response(
+        await serving.create_response(await serving.read_request(request, ResponsesRequest), request))
 
 
 async def json_response(answer):
@@ -192,6 +203,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     gate = CompileGate()
     state.serving_completion = OpenAIServingCompletion(engine, model_name, config, metrics, gate)
     state.serving_chat = OpenAIServingChat(engine, model_name, config, metrics, gate)
+    state.serving_responses = OpenAIServingResponses(engine, model_name, config, metrics, gate)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     if config.allowed_origins:
@@ -231,16 +243,19 @@ def docs_html(spec: dict, bodies: dict) -> str:
 
 
 def serve(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          config: ServerConfig | None = None, grace_s: float = 2.0) -> int:
+          config: ServerConfig | None = None, grace_s: float = 2.0, log_level: str = "info",
+          access_log: bool = True) -> int:
     """Serve until interrupted (what ``minivllm serve`` runs). Returns the process's exit
     status: 1 if the engine died, so that a supervisor restarts the server; open streams get
-    their error events during ``grace_s`` before it stops."""
+    their error events during ``grace_s`` before it stops. ``log_level`` is uvicorn's
+    (--uvicorn-log-level); ``access_log`` False logs no line per request (--disable-log-requests)."""
     import uvicorn
 
     from minivllm.server.connections import uvicorn_config
 
     server = uvicorn.Server(uvicorn_config(build_app(engine, model_name, config=config), host=host, port=port,
-                                           log_level="info", timeout_graceful_shutdown=5))
+                                           log_level=log_level, access_log=access_log,
+                                           timeout_graceful_shutdown=5))
 
     def stop_soon():
         asyncio.get_running_loop().call_later(grace_s, setattr, server, "should_exit", True)

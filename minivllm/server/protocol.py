@@ -63,6 +63,8 @@ class Lenient(Strict):
 
 class StreamOptions(Lenient):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last one.
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(Lenient):
@@ -101,6 +103,11 @@ class SamplingFields(Lenient):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the answer carries the token ids (each choice's, and the prompt's), and a
+    # logprobs entry names its token "token_id:<id>" rather than by its text (which may not
+    # be valid UTF-8 alone).
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # Score the prompt: each prompt token's log-probability and the top k, in a
     # "prompt_logprobs" list (on each choice of a completion, on a chat response).
     prompt_logprobs: int | None = None
@@ -337,6 +344,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's: when the last message is the assistant's (continue_final_message), the answer
+    # starts with that message's text, and the new text follows.
+    echo: bool = False
 
     @field_validator("top_logprobs")
     @classmethod
@@ -344,6 +354,79 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, StructuredFields
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
+
+
+class ResponseInputText(Lenient):
+    type: Literal["input_text", "output_text"]  # (an assistant turn sent back holds output_text)
+    text: str
+
+
+class ResponseInputMessage(Lenient):
+    """One item of a Responses ``input`` list: a message (vLLM reads function calls and their
+    outputs here too; this server does not yet, and refuses them by their type)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ResponseInputText], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(Lenient):
+    """OpenAI's Responses API (``POST /v1/responses``), for text: ``input`` (a string, or a
+    list of messages) after ``instructions`` (a system message), through the chat template.
+    ``text.format`` (json_object, json_schema) constrains the output as chat's
+    ``response_format`` does. Tools and stored conversations (``previous_response_id``) are
+    refused here for now (/v1/chat/completions has tools)."""
+
+    model: str | None = None
+    input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True  # accepted: nothing is stored, so a response cannot be fetched back
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[dict] | None = None
+    text: dict | None = None
+    previous_response_id: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.tools:
+            raise ValueError("tools: not supported yet on /v1/responses; use /v1/chat/completions for tool calls")
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("text: format is {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                             "'name': ..., 'schema': {...}}")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: this server stores no responses; send the whole conversation "
+                             "as input")
+        return self
+
+    def chat_request(self) -> "ChatCompletionRequest":
+        """The same request as a chat completion, which the chat route's checks and engine run."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [ResponseInputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        messages += [{"role": m.role, "content": m.text()} for m in items]
+        fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user}
+        fmt = dict((self.text or {}).get("format", {"type": "text"}))
+        if fmt["type"] == "json_schema":  # Responses' format holds the schema's fields; chat's nests them
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                k: v for k, v in fmt.items() if k in ("name", "description", "schema", "strict")}}
+        elif fmt["type"] == "json_object":
+            fields["response_format"] = {"type": "json_object"}
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:  # (a text.format the chat's response_format refuses)
+            error = e.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise APIError(400, f"{where.replace('response_format', 'text.format')}: {error['msg']}",
+                           param="text") from None
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -565,25 +648,27 @@ def usage(*outputs: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0) -> dict | None:
+def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0,
+                        as_ids: bool = False) -> dict | None:
     """Completions' logprobs object for tokens ``start:`` of the completion (the ``k`` most
     likely tokens at each step; ``text_offset`` counts characters from the completion's start,
-    plus ``offset``)."""
+    plus ``offset``). ``as_ids``: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if completion.logprobs is None:
         return None
     pieces = [entry[t].decoded_token or "" for t, entry in zip(completion.token_ids, completion.logprobs)]
     offset += sum(map(len, pieces[:start]))
-    return _logprobs_object(completion.token_ids[start:], completion.logprobs[start:], k, offset)[0]
+    return _logprobs_object(completion.token_ids[start:], completion.logprobs[start:], k, offset, as_ids=as_ids)[0]
 
 
-def echo_logprobs(output: RequestOutput, completion: CompletionOutput | None, k: int, first_token: str) -> dict:
+def echo_logprobs(output: RequestOutput, completion: CompletionOutput | None, k: int, first_token: str,
+                  as_ids: bool = False) -> dict:
     """Completions' logprobs object for an echoed prompt: the prompt's tokens (the first
     with null logprobs, its text ``first_token``), then the completion's tokens so far, if
     ``completion`` (None: the prompt alone, for max_tokens 0); offsets from the prompt's start."""
-    scored = _logprobs_object(output.prompt_token_ids, output.prompt_logprobs, k, 0, first_token)
+    scored = _logprobs_object(output.prompt_token_ids, output.prompt_logprobs, k, 0, first_token, as_ids)
     prompt, offset = scored
     if completion is not None and completion.logprobs is not None:
-        rest, _ = _logprobs_object(completion.token_ids, completion.logprobs, k, offset)
+        rest, _ = _logprobs_object(completion.token_ids, completion.logprobs, k, offset, as_ids=as_ids)
         prompt = {key: prompt[key] + rest[key] for key in prompt}
     return prompt
 
@@ -594,9 +679,11 @@ def echo_offset(output: RequestOutput, first_token: str) -> int:
                                   for t, e in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))
 
 
-def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str = "") -> tuple[dict, int]:
+def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str = "",
+                     as_ids: bool = False) -> tuple[dict, int]:
     """The completions logprobs object of these tokens and their entries (an entry None:
-    the prompt's first token, unscored, whose text is ``first_token``), and the offset after them."""
+    the prompt's first token, unscored, whose text is ``first_token``), and the offset after
+    them (counted in the tokens' text, also when ``as_ids`` names them by id)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         if entry is None:
@@ -606,8 +693,8 @@ def _logprobs_object(token_ids, entries, k: int, offset: int, first_token: str =
         else:
             piece = entry[token_id].decoded_token or ""
             token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
-            top.append({(lp.decoded_token or ""): max(lp.logprob, MIN_LOGPROB) for lp in _top(entry, k)})
-        tokens.append(piece)
+            top.append({token_name(t, lp, as_ids): max(lp.logprob, MIN_LOGPROB) for t, lp in _top(entry, k)})
+        tokens.append(f"token_id:{token_id}" if as_ids else piece)
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
@@ -628,27 +715,30 @@ def prompt_logprobs(output: RequestOutput) -> list | None:
             for entry in output.prompt_logprobs]
 
 
-def chat_logprobs(completion: CompletionOutput, k: int, start: int = 0) -> dict | None:
-    """Chat's logprobs object (``content``: one entry per token) for tokens ``start:``."""
+def chat_logprobs(completion: CompletionOutput, k: int, start: int = 0, as_ids: bool = False) -> dict | None:
+    """Chat's logprobs object (``content``: one entry per token) for tokens ``start:``;
+    ``as_ids``: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if completion.logprobs is None:
         return None
 
-    def item(text: str | None, logprob: float) -> dict:
-        text = text or ""
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def item(token_id: int, lp) -> dict:
+        text = token_name(token_id, lp, as_ids)
+        return {"token": text, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
 
     content = []
     for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
-        chosen = entry[token_id]
-        content.append({**item(chosen.decoded_token, chosen.logprob),
-                        "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in _top(entry, k)]})
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]})
     return {"content": content}
 
 
+def token_name(token_id: int, lp, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else (lp.decoded_token or "")
+
+
 def _top(entry: dict, k: int) -> list:
-    """The k most likely tokens of a step, most likely first. (The engine also puts the
-    chosen token in ``entry`` when it ranked below k; it is not one of the top k.)"""
-    return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+    """The k most likely tokens of a step as (id, Logprob), most likely first. (The engine also
+    puts the chosen token in ``entry`` when it ranked below k; it is not one of the top k.)"""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)
 
 
 def now() -> int:

@@ -29,19 +29,32 @@ class OpenAIServingChat(OpenAIServingGeneration):
         outputs = self.start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed
-        choice = functools.partial(self.choice, plan, answers, params.logprobs)
+        choice = functools.partial(self.choice, plan, answers, params.logprobs, body)
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}
-            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                     for j in range(params.n)]
-            return EventStream(stream_events(outputs, head, functools.partial(choice, stream=True), body.stream_options,
-                                             first=first, n=params.n))
-        # vLLM's prompt_logprobs, for the whole response (one prompt).
-        extra = (lambda finals: {"prompt_logprobs": prompt_logprobs(finals[0])}) if params.prompt_logprobs is not None \
-            else None
-        return await self.respond(outputs, request, head, choice, params.n, extra)
+            first = [{"index": j, "delta": {"role": "assistant", "content": echoed(body, plan)}, "logprobs": None,
+                      "finish_reason": None} for j in range(params.n)]
+            if body.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
+                first = [{**f, "prompt_token_ids": ids} for f in first]
+            head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options,
+                                             len(ids))
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n))
+        return await self.respond(outputs, request, head, choice, params.n, self.extra_fields(body, params))
 
-    def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], k: int | None, index: int,
+    @staticmethod
+    def extra_fields(body: ChatCompletionRequest, params):
+        """The answer's top-level fields beyond OpenAI's: vLLM's prompt_logprobs and
+        prompt_token_ids (one prompt: for the whole response)."""
+        if params.prompt_logprobs is None and not body.return_token_ids:
+            return None
+
+        def extra(finals) -> dict:
+            fields = {"prompt_logprobs": prompt_logprobs(finals[0])} if params.prompt_logprobs is not None else {}
+            return {**fields, "prompt_token_ids": finals[0].prompt_token_ids} if body.return_token_ids else fields
+
+        return extra
+
+    def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], k: int | None, body, index: int,
                output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
                stream: bool = False) -> dict:
         """One choice of the answer (a message), or of a stream's chunk (a delta: what is new
@@ -51,7 +64,18 @@ class OpenAIServingChat(OpenAIServingGeneration):
             answer = answers.setdefault(index, ToolAnswer(plan, self.config.tool_call_parser))
             message, reason = answer.delta(c.text, reason) if stream else answer.message(c.text, reason)
         else:
-            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant", "content": c.text}
-        return {"index": index, "delta" if stream else "message": message,
-                "logprobs": chat_logprobs(c, k, sent_tokens) if k is not None else None,
-                "finish_reason": reason, "stop_reason": c.stop_reason}
+            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant",
+                                                                      "content": echoed(body, plan) + c.text}
+        answer = {"index": index, "delta" if stream else "message": message,
+                  "logprobs": chat_logprobs(c, k, sent_tokens, body.return_tokens_as_token_ids) if k is not None
+                  else None, "finish_reason": reason, "stop_reason": c.stop_reason}
+        if body.return_token_ids:  # vLLM's: the choice's new token ids
+            answer["token_ids"] = c.token_ids[sent_tokens:]
+        return answer
+
+
+def echoed(body: ChatCompletionRequest, plan: ToolPlan | None) -> str:
+    """What ``echo`` puts before the answer's text: the last message's, if it is the
+    assistant's (as vLLM does; an answer of tool calls echoes nothing)."""
+    last = body.messages[-1]
+    return last.text() if body.echo and plan is None and last.role == "assistant" else ""

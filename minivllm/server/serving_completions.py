@@ -27,8 +27,8 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         choice = functools.partial(self.choice, body, params, echoed)
         if body.stream:
-            return EventStream(stream_events(outputs, head, functools.partial(choice, stream=True), body.stream_options,
-                                             n=params.n))
+            head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options)
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, n=params.n))
         return await self.respond(outputs, request, head, choice, params.n)
 
     async def encode_prompts(self, body: CompletionRequest, params) -> list[tuple[list[int], str | None]]:
@@ -66,20 +66,25 @@ class OpenAIServingCompletion(OpenAIServingGeneration):
                c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0, stream: bool = False) -> dict:
         """One choice of the answer, or of a stream's chunk (what is new since ``sent_text``
         characters and ``sent_tokens`` tokens were sent)."""
-        k = params.logprobs
+        k, as_ids = params.logprobs, body.return_tokens_as_token_ids
         prompt_only = body.echo and body.max_tokens == 0  # its one drawn token is not part of the answer
         text = "" if prompt_only else c.text[sent_text:]
-        logprobs = completion_logprobs(c, k, sent_tokens) if k is not None else None
+        logprobs = completion_logprobs(c, k, sent_tokens, as_ids=as_ids) if k is not None else None
         if body.echo:
             prompt_text, first_token = echoed[index // params.n]
             if sent_tokens == 0:  # the choice's first chunk (or the whole answer): the prompt first
                 text = prompt_text + text
                 if k is not None:
-                    logprobs = echo_logprobs(output, None if prompt_only else c, k, first_token)
+                    logprobs = echo_logprobs(output, None if prompt_only else c, k, first_token, as_ids)
             elif k is not None:  # later chunks: offsets from the prompt's start
-                logprobs = completion_logprobs(c, k, sent_tokens, offset=echo_offset(output, first_token))
+                logprobs = completion_logprobs(c, k, sent_tokens, offset=echo_offset(output, first_token),
+                                               as_ids=as_ids)
         answer = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
+        if body.return_token_ids:  # vLLM's: the prompt's ids in a choice's first chunk, the new ids in each
+            if sent_tokens == 0:
+                answer["prompt_token_ids"] = output.prompt_token_ids
+            answer["token_ids"] = [] if prompt_only else c.token_ids[sent_tokens:]
         if params.prompt_logprobs is not None and not stream:  # vLLM's field (never in a stream's chunks)
             answer["prompt_logprobs"] = prompt_logprobs(output)
         return answer

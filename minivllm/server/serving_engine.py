@@ -22,6 +22,7 @@ from fastapi.responses import Response
 
 from minivllm.engine.request_limits import truncated
 from minivllm.errors import InvalidParameter
+from minivllm.sampling_params import MAX_LOGPROBS, check_max_logprobs, resolve_logprobs
 from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, apply_defaults, ignored_fields, parse_request, to_sampling_params,
@@ -66,12 +67,22 @@ class ServerConfig:
     # unless the operator says every client is trusted (as vLLM's flag of the same name).
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (structured.tools.TOOL_PARSERS)
+    # Top log-probabilities a request may ask for per token (vLLM's --max-logprobs); -1 lets
+    # logprobs=-1 ask for the whole vocabulary, bounded still by max_logprob_entries.
+    max_logprobs: int = MAX_LOGPROBS
+    # More names a request may give the model by (vLLM's --served-model-name a b: aliases).
+    # Answers name the model by the server's first name, whichever the request gave.
+    model_aliases: list[str] = field(default_factory=list)
+    # What /v1/models gives as each card's "root": the model as the operator named it (a
+    # hub id or a folder), from which a client such as vLLM's benchmark loads the tokenizer.
+    model_root: str | None = None
 
     def __post_init__(self):
         for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_prompts",
                      "max_logprob_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_max_logprobs(self.max_logprobs)
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: known parsers are {', '.join(TOOL_PARSERS)}")
 
@@ -127,8 +138,13 @@ class OpenAIServing:
                            ", ".join(ignored[:20]) + (" ..." if len(ignored) > 20 else ""))
         return body
 
+    @property
+    def model_names(self) -> list[str]:
+        """The names the model is served under: the server's own first, then its aliases."""
+        return [self.model_name, *(a for a in self.config.model_aliases if a != self.model_name)]
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:  # left out: the one model served
+        if name is not None and name not in self.model_names:  # left out: the one model served
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -201,7 +217,11 @@ class OpenAIServingGeneration(OpenAIServing):
                 params = dataclasses.replace(params, structured_outputs=constraint)
             except InvalidParameter as e:
                 raise APIError(400, f"{source}: {e}", param=e.param) from None
-        return params
+        try:  # last: a whole vocabulary's k is past what SamplingParams' own check allows
+            return resolve_logprobs(params, self.vocab_size, self.config.max_logprobs)
+        except InvalidParameter as e:
+            param = "top_logprobs" if e.param == "logprobs" and hasattr(body, "messages") else e.param
+            raise APIError(400, f"{e} (--max-logprobs)", param=param) from None
 
     def check_stops(self, body) -> None:
         config = self.config
@@ -281,6 +301,22 @@ class OpenAIServingGeneration(OpenAIServing):
                             f"this server's limit is {limit:,} (--max-logprob-entries): ask for fewer prompts, a "
                             f"smaller n, fewer tokens or fewer logprobs{unbounded}", param=param,
                        code="too_many_logprobs")
+
+    @staticmethod
+    def live_usage(head: dict, choice, stream_options, prompt_tokens: int = 0):
+        """``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM reads it):
+        every chunk carries the usage of its prompt so far. The chunk's ``usage`` is a dict in
+        ``head`` that the choice function brings up to date as the chunk's choices are made,
+        before the chunk is written. Returns (head, choice), unchanged without the option."""
+        if stream_options is None or not (stream_options.include_usage and stream_options.continuous_usage_stats):
+            return head, choice
+        live = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+        def counted(index, output, *args, **kwargs):
+            live.update(usage(output))
+            return choice(index, output, *args, **kwargs)
+
+        return {**head, "usage": live}, counted
 
     async def compile_grammar(self, params, body, request: Request) -> None:
         """The request's grammar compiled off the event loop (a JSON schema can take seconds,

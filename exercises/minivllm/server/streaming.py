@@ -114,6 +114,9 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
     include_usage = stream_options is not None and stream_options.include_usage
     async with aclosing(merged(outputs)) as events:  # leaving early closes them: the requests are aborted
         if first is not None:
+            # Once the first token is there, not before the prefill: a client times its first
+            # token from the first chunk (vLLM's benchmark does), and that is what it measures.
+            events = await first_arrived(events)
             yield sse_event({**head, "choices": first})
         raise NotImplementedError(
             "ch14: stream_events (the streaming handler): outputs arrive cumulative (each holds a "
@@ -132,6 +135,27 @@ async def stream_events(outputs: list, head: dict, choice, stream_options, first
             "Pitfall: a finished completion with no new token still needs its chunk, once, see "
             "notebooks/14_serving.ipynb"
         )
+
+
+async def first_arrived(events):
+    """``events`` (async, not yet started) once its first item has arrived: that item, then
+    the rest. If it ends or fails first, the returned generator does the same when read."""
+    try:
+        item = await anext(events)
+    except StopAsyncIteration:
+        return resumed((), None, events)
+    except Exception as e:  # the engine failed the request, or died: told where the stream tells it
+        return resumed((), e, events)
+    return resumed((item,), None, events)
+
+
+async def resumed(items: tuple, error: Exception | None, events):
+    for item in items:
+        yield item
+    if error is not None:
+        raise error
+    async for item in events:
+        yield item
 
 
 async def final_outputs(outputs: list, request: Request, poll_s: float = 0.5) -> list[RequestOutput] | None:
