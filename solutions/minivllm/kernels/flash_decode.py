@@ -104,7 +104,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     powers of two. Writes ``out`` (q's shape and dtype) when given; returns it."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group_size = num_heads // num_kv_heads  # query heads per K/V head
     contiguous = all(t.is_contiguous() for t in (q, k_cache, v_cache, block_tables, context_lens))
     if num_heads % num_kv_heads or head_dim & (head_dim - 1) or block_size & (block_size - 1) or not contiguous:
         raise ValueError(f"need whole GQA groups, powers of two and contiguous tensors, got {q.shape}, {k_cache.shape}")
@@ -113,9 +113,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l, scale, block_tables.shape[1],
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP=group_size, BLOCK_G=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
     )
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(q.shape) if out is None else out
     _merge_kernel[(num_seqs, num_heads)](
         part_acc, part_m, part_l, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
     )
