@@ -1,27 +1,27 @@
-"""Chapter 09 — Triton kernels: RMSNorm inside a kernel, and the online softmax of paged
-attention (decode and prefill).
+"""Chapter 09 — Triton kernels: RMSNorm inside a kernel, the two-stage paged decode kernel,
+and the tuned kernel's online softmax, key loop, split epilogue and merge (going further).
 
-Your kernels (exercises/minivllm/kernels/elementwise.py, ``_rms_norm_kernel``, and
-exercises/minivllm/kernels/paged_attention.py, ``_online_softmax_update`` inside
-``_decode_kernel`` and ``_prefill_kernel``) run in Triton's
-interpreter on the CPU, whatever the machine, so that every answer is graded the same way.
-The interpreter executes the kernel's Python body with numpy arrays in place of registers:
-what passes here computes the same on a GPU.
+Your kernels run in Triton's interpreter on the CPU, whatever the machine, so that every
+answer is graded the same way. The interpreter executes the kernel's Python body with numpy
+arrays in place of registers: what passes here computes the same on a GPU.
 
-Each test draws random inputs (never zeros) and compares with a plain-torch spec written
-out in this file: RMSNorm over rows whose width is not a power of two (the masked lanes
-must not count), with a residual, with an eps that matters, with float16 values whose
-squares overflow float16, and rounded where the reference rounds (to the activations' dtype
-before the weight); decode attention with grouped-query heads over contexts many tiles long
-(a softmax that is not rescaled from tile to tile shows), split across several programs
-and merged, with scores far from zero (a softmax without its running max overflows), and
-next to padding rows of context length 0, and over a float16 cache; and prefill attention
-with a sliding window, where a tile of keys can hide every key from some of its queries (a
-row with nothing visible yet).
+The main exercise is exercises/minivllm/kernels/flash_decode.py: stage 1 (``_split_kernel``,
+one program per sequence, K/V head and split of the context, walking its split's cache
+blocks through the block table with the online softmax) and stage 2 (``_merge_kernel``,
+which merges the splits). Its tests draw random caches whose blocks are scattered through
+the pool, with NaN in the rows past each context (a tail that is read shows), an output
+full of NaN (a row left unwritten shows), grouped-query heads, contexts that end inside a
+block, a context of one key, scores far from zero (an exponential without the max
+subtracted overflows), a peak in the first block (a max that drops back shows), and more
+splits than some contexts have blocks (an empty split must still write its partials).
 
-Also graded: the paged key loop (``_attend_cached_keys``), the split epilogue
-(``_store_split``) and the merge (``_merge_kernel``), with sliding windows and short
-prefills over cached keys.
+The warm-up is ``_rms_norm_kernel`` (exercises/minivllm/kernels/elementwise.py): rows whose
+width is not a power of two, a residual, an eps that matters, float16 values whose squares
+overflow float16, rounded where the reference rounds. Going further, in
+exercises/minivllm/kernels/paged_attention.py (the engine's tuned kernels): the base-2
+online softmax ``_online_softmax_update``, the key loop ``_attend_cached_keys``, the split
+epilogue ``_store_split`` and the log-sum-exp merge ``_merge_kernel``, graded through the
+decode, short-prefill and prefill kernels, with sliding windows and padding rows.
 """
 import contextlib
 import os
@@ -53,6 +53,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minivllm.kernels.elementwise import rms_norm  # noqa: E402
+from minivllm.kernels.flash_decode import flash_decode  # noqa: E402
 from minivllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # the interpreter computes in numpy float32
@@ -60,9 +61,10 @@ TOL = dict(atol=1e-4, rtol=1e-4)  # the interpreter computes in numpy float32
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted():
-    from minivllm.kernels import elementwise, paged_attention
+    from minivllm.kernels import elementwise, flash_decode, paged_attention
 
-    for kernel in (elementwise._rms_norm_kernel, paged_attention._decode_kernel, paged_attention._prefill_kernel):
+    for kernel in (elementwise._rms_norm_kernel, flash_decode._split_kernel, flash_decode._merge_kernel,
+                   paged_attention._decode_kernel, paged_attention._prefill_kernel):
         if type(kernel).__name__ != "InterpretedFunction":
             pytest.fail("the kernels were imported before TRITON_INTERPRET=1 was set", pytrace=False)
 
@@ -169,7 +171,7 @@ def test_ch09_rms_norm_any_width(rows, hidden, scale, seed):
     torch.testing.assert_close(out, rms_norm_spec(x, w, 1e-5), **TOL)
 
 
-# --- paged decode attention -----------------------------------------------------------
+# --- paged decode attention: a random paged cache and the spec -----------------------
 
 
 def paged_cache(lens, kv_heads, head_dim, block_size, g):
@@ -211,6 +213,171 @@ def run_decode(lens, heads, kv_heads, head_dim=16, block_size=4, num_splits=1, q
         out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
                                      max(lens), num_splits)
     return out, decode_spec(q, k_cache, v_cache, tables, lens, scale)
+
+
+# --- the two-stage kernel (kernels/flash_decode.py): the main exercise ------------------
+
+
+def poison_tails(k_cache, v_cache, tables, lens):
+    """NaN in the rows of each sequence's last block past its context: rows no key owns,
+    which a kernel must neither weigh nor load (0 * NaN is NaN)."""
+    block_size = k_cache.shape[1]
+    for b, n in enumerate(lens):
+        if n % block_size:
+            last = tables[b, (n - 1) // block_size].item()
+            k_cache[last, n % block_size :] = float("nan")
+            v_cache[last, n % block_size :] = float("nan")
+
+
+def run_two_stage(lens, heads, kv_heads, head_dim=16, block_size=4, num_splits=1, q_scale=1.0, seed=0, caches=None):
+    """flash_decode over a random scattered cache with NaN tails, into an output full of
+    NaN; returns (out, spec)."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = caches or paged_cache(lens, kv_heads, head_dim, block_size, g)
+    poison_tails(k_cache, v_cache, tables, lens)
+    q = q_scale * torch.randn(len(lens), heads, head_dim, generator=g)
+    out = torch.full_like(q, float("nan"))
+    with kernel_errors():
+        flash_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), head_dim**-0.5, num_splits,
+                     out=out)
+    return out, decode_spec(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+
+
+def test_ch09_two_stage_walks_the_block_table():
+    # Whole blocks only, one split: each sequence's blocks lie scattered through the pool, in
+    # no order; block i of sequence b is entry i of row b of the block table.
+    lens = [16, 8, 32, 4]
+    out, ref = run_two_stage(lens, 8, 2, seed=1)
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(out[b], ref[b], **TOL, msg=lambda m: (
+            f"sequence {b} ({n} keys in {n // 4} blocks): each key must be read from the physical block that "
+            f"this sequence's row of the block table names: {m}"))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (8, 1), (6, 2)], ids=["gqa-4", "mha", "mqa-8", "gqa-3"])
+def test_ch09_two_stage_gqa_groups(heads, kv_heads):
+    lens = [12, 20]
+    out, ref = run_two_stage(lens, heads, kv_heads, seed=2)
+    group = heads // kv_heads
+    for h in range(heads):
+        torch.testing.assert_close(out[:, h], ref[:, h], **TOL, msg=lambda m: (
+            f"query head {h} must attend with K/V head {h // group} (groups of {group}): {m}"))
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_ch09_two_stage_context_ends_mid_block(block_size):
+    # The last block of each sequence is partly filled; its other rows hold NaN here.
+    lens = [13, 6, 31, 2]
+    out, ref = run_two_stage(lens, 8, 2, block_size=block_size, num_splits=2, seed=block_size)
+    assert not out.isnan().any(), (
+        "NaN in the output: a context that ends mid-block must ignore the block's tail, neither weighing "
+        "its rows nor loading them (0 * NaN is NaN)")
+    torch.testing.assert_close(out, ref, **TOL, msg=lambda m: (
+        f"a context that ends mid-block must ignore the block's tail (blocks of {block_size}): {m}"))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_ch09_two_stage_a_context_of_one_key(num_splits):
+    # One key: the softmax over it is 1, so every head of the group gets that key's value.
+    g = torch.Generator().manual_seed(5)
+    lens = [1, 1, 9]
+    caches = paged_cache(lens, 2, 16, 4, g)
+    out, ref = run_two_stage(lens, 8, 2, num_splits=num_splits, seed=5, caches=caches)
+    v_cache, tables = caches[1], caches[2]
+    for b in (0, 1):
+        value = v_cache[tables[b, 0].item(), 0].repeat_interleave(4, dim=0)  # [heads, head_dim]
+        torch.testing.assert_close(out[b], value, **TOL, msg=lambda m: (
+            f"a context of one key must give exactly that key's value ({num_splits} split(s)): {m}"))
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_ch09_two_stage_rescales_when_the_max_grows():
+    # Keys grow along the context, so nearly every block raises the max: what was summed
+    # under the old max must be carried over, in l and in acc alike.
+    lens = [60, 37]
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    for b, n in enumerate(lens):
+        for i in range(-(-n // 4)):
+            k_cache[tables[b, i].item()] *= 1.0 + 0.15 * i
+    out, ref = run_two_stage(lens, 8, 2, seed=7, caches=(k_cache, v_cache, tables))
+    torch.testing.assert_close(out, ref, **TOL, msg=lambda m: (
+        f"when a later block raises the max, the running sum and the accumulator must be rescaled: {m}"))
+
+
+def test_ch09_two_stage_a_peak_in_the_first_block():
+    # The first block's keys are 60x longer: scores near 150 there, near 0 after. A max that
+    # drops back to a later block's own carries the sums over by e^(+150), which overflows.
+    lens = [40, 21]
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    for b in range(len(lens)):
+        k_cache[tables[b, 0].item()] *= 60.0
+    out, ref = run_two_stage(lens, 8, 2, seed=11, caches=(k_cache, v_cache, tables))
+    assert torch.isfinite(out).all(), "inf or NaN after a block of large scores: the max must only ever grow"
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_ch09_two_stage_scores_far_from_zero(num_splits):
+    # Queries 30x larger: scores of several hundred; e^s overflows float32 past e^88.
+    out, ref = run_two_stage([50, 23], 8, 2, num_splits=num_splits, q_scale=30.0, seed=3)
+    assert torch.isfinite(out).all(), (
+        f"inf or NaN with scores in the hundreds ({num_splits} split(s)): every exponential, in the blocks and in "
+        "the merge's weights, must have the largest score subtracted first")
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5, 8])
+def test_ch09_two_stage_splits_merged(num_splits):
+    # The sequence of 3 keys has one block: with several splits, the others get none.
+    lens = [70, 3, 45, 64]
+    out, ref = run_two_stage(lens, 8, 2, num_splits=num_splits, seed=num_splits)
+    assert not out.isnan().any(), f"NaN with {num_splits} splits: a split without keys must weigh nothing"
+    torch.testing.assert_close(out, ref, **TOL, msg=lambda m: (
+        f"{num_splits} splits merged must give the softmax over all the keys: {m}"))
+
+
+def test_ch09_two_stage_every_split_writes_its_partials(monkeypatch):
+    # The partial buffers start full of NaN: a split that stores nothing (it has no
+    # blocks) leaves NaN for the merge to read.
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out, ref = run_two_stage([5, 2, 30], 8, 2, num_splits=6, seed=13)
+    assert not out.isnan().any(), (
+        "a split with no blocks must still store its partials (a max of -inf, sums of 0): the merge reads every split")
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_ch09_two_stage_in_float16():
+    # A half-precision cache, as on a GPU; the output comes back in q's dtype.
+    lens = [30, 9]
+    g = torch.Generator().manual_seed(17)
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, 4, g)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lens), 8, 16, generator=g).half()
+    with kernel_errors():
+        out = flash_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.25, 2)
+    assert out.dtype == torch.float16, f"the output must be in q's dtype, got {out.dtype}"
+    torch.testing.assert_close(out.float(), decode_spec(q, k_cache, v_cache, tables, lens, 0.25), atol=1e-2, rtol=1e-2)
+
+
+@settings(max_examples=8)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 3, 4]), block_size=st.sampled_from([2, 4, 8]), num_splits=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_ch09_two_stage_any_shape(lens, kv_heads, group, block_size, num_splits, seed):
+    out, ref = run_two_stage(lens, kv_heads * group, kv_heads, block_size=block_size, num_splits=num_splits,
+                             seed=seed)
+    torch.testing.assert_close(out, ref, **TOL, msg=lambda m: (
+        f"contexts {lens}, {kv_heads} K/V heads in groups of {group}, blocks of {block_size}, {num_splits} splits: {m}"))
+
+
+# --- going further: the tuned decode kernel (paged_attention.py) ---------------------
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (8, 1)], ids=["gqa-4", "mha", "mqa-8"])
