@@ -122,7 +122,7 @@ class LLMEngine:
                                     config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
                                     self.speculative is not None)
         self.requests: dict[str, RequestState] = {}  # request id -> its first completion's state
-        self.tracer = StepTrace(config.record_trace)
+        self.tracer = StepTrace(config)
         self.is_shut_down = False
         self._make_features(proposer)
         # Asynchronous scheduling (chapter 17): the overlapped step, chosen once, here.

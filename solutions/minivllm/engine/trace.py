@@ -44,10 +44,12 @@ class StepRecord:
 
 
 class StepTrace:
-    """The engine's running totals (``stats``) and, with ``record_trace``, a record per step."""
+    """The engine's running totals (``stats``) and, with ``record_trace``, a record per step.
+    The switch is read at every step from the engine's config, so it can be turned on for a
+    stretch of a run (the throughput benchmark records its second run only)."""
 
-    def __init__(self, record: bool):
-        self.record = record
+    def __init__(self, config):
+        self.config = config  # the EngineConfig whose record_trace turns the records on
         self.records: list[StepRecord] = []
         self.num_steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
@@ -55,7 +57,7 @@ class StepTrace:
     def before(self, batch: ScheduledBatch) -> dict | None:
         """What the record needs from the batch before the step changes it (only with
         record_trace: at batch 256 it is a noticeable share of the host's time)."""
-        if not self.record:
+        if not self.config.record_trace:
             return None
         return dict(
             seqs=[(s.seq_id, n, "decode" if is_decode(s, n - batch.drafts(i)) else "prefill")
