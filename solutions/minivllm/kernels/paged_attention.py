@@ -270,18 +270,20 @@ def _decode_kernel(
         # split holds it takes them from registers, so no program reads that row.
         q_start = b
         q_len = 1
-        num_keys = tl.load(context_lens_ptr + b)
+        # int32 whatever the metadata's dtype (an eager step's and a graph's are int64): the
+        # key loop's index arithmetic in int64 costs the kernel about a tenth of its time.
+        num_keys = tl.load(context_lens_ptr + b).to(tl.int32)
         first, start, end = _split_key_range(num_keys, num_keys, window, split, BLOCK_N)
     else:
         # A short prefill: sequence b's q_len queries (cu_seqlens) follow its cached keys,
         # which every query sees (a sliding window aside): the splits share those, from the
         # tile that holds the first key the first query's window shows. Split 0 takes the
         # step's own keys below (NEW_KV always).
-        q_start = tl.load(cu_seqlens_ptr + b)
-        q_len = tl.load(cu_seqlens_ptr + b + 1) - q_start
+        q_start = tl.load(cu_seqlens_ptr + b).to(tl.int32)
+        q_len = tl.load(cu_seqlens_ptr + b + 1).to(tl.int32) - q_start
         if q_len == 0:
             return  # a padding sequence (a CUDA graph's): no queries, no keys
-        num_keys = tl.load(context_lens_ptr + b) - q_len  # those cached before this step
+        num_keys = tl.load(context_lens_ptr + b).to(tl.int32) - q_len  # those cached before this step
         first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
     q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
                                                  GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
