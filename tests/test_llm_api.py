@@ -380,8 +380,8 @@ def test_a_batch_with_one_bad_request_queues_none(llm):
 
 def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
     """Inside generate the garbage collector skips the objects that existed before it (no
-    full-heap walk stalls a step); after it they are collectable again, and a heap frozen by
-    someone else stays frozen."""
+    full-heap walk stalls a step) and runs no full collection; after it they are collectable
+    again, its thresholds are restored, and a heap frozen by someone else stays frozen."""
     import gc
 
     from minivllm.bench.throughput import gc_pauses
@@ -389,8 +389,12 @@ def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
     seen = []
     step = llm.engine.step
 
+    thresholds = gc.get_threshold()
+    full_collection_after = []
+
     def recording_step():
         seen.append(gc.get_freeze_count())
+        full_collection_after.append(gc.get_threshold()[2])
         return step()
 
     monkeypatch.setattr(llm.engine, "step", recording_step)
@@ -399,7 +403,8 @@ def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
         gc.collect()
     assert seen and min(seen) > 0  # every step ran frozen
-    assert gc.get_freeze_count() == 0
+    assert min(full_collection_after) >= 1_000_000  # and with full collections held back
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     assert pauses["collections"][2] >= 1 and pauses["longest_seconds"] > 0
     gc.freeze()
     try:
