@@ -17,7 +17,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as server.serving_engine's
 NOT_ENGINE_FLAGS = ("model", "record_trace")
 # ``minivllm bench WHICH`` runs the ``main`` of this module of minivllm.bench.
 BENCHMARKS = {"throughput": "throughput", "latency": "latency", "kernels": "kernels", "moe": "moe",
-              "gated-delta": "gated_delta", "serving": "serving", "tp": "tensor_parallel"}
+              "gated-delta": "gated_delta", "serving": "serving", "tp": "tensor_parallel",
+              "quantization": "quantization"}
 
 
 def engine_fields():
