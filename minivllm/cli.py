@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine", type=json.loads, default=None,
                        help="throughput: EngineConfig fields for the engine, as a JSON object (e.g. "
                             "'{\"max_num_batched_tokens\": 16384}'; default: the engine's defaults)")
+    bench.add_argument("--quantization", "-q", default=None,
+                       help="throughput: fp8 quantizes the linear layers' weights at load (default: bf16 weights)")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
@@ -350,8 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         options = {}
         if args.which == "throughput":
             options["with_transformers"] = not args.no_transformers
-            if args.engine:
-                options["engine_args"] = args.engine
+            if args.engine or args.quantization:
+                quantization = {} if args.quantization is None else {"quantization": args.quantization}
+                options["engine_args"] = {**(args.engine or {}), **quantization}
         elif args.which == "serving":
             options["model"] = args.model
             if args.rates:
