@@ -215,6 +215,38 @@ def test_quantization_fp8_runs_end_to_end(fp8_checkpoints):
     assert top1_agreement(llm, reference) >= 0.9
 
 
+def _fp8_logits(paths, ids):
+    from minivllm.context import reset_context
+    from minivllm.loader import load_model
+
+    out = {}
+    for name, path in paths.items():
+        model = load_model(path)
+        reset_context()
+        with torch.inference_mode():
+            out[name] = model.compute_logits(model(ids, torch.arange(len(ids))), all_tokens=True)
+    return out
+
+
+def test_fp8_checkpoint_under_tensor_parallelism(fp8_checkpoints, tmp_path):
+    """Two ranks each load their blocks of the weights and of the scales (q, k, v and gate,
+    up by rows, o and down by columns) and give one process's logits: the block split is the
+    activations' group split, so both quantize the same numbers."""
+    from minivllm.distributed.launch import run_on_ranks
+    from minivllm.testing import torch_threads
+
+    _, fp8, _ = fp8_checkpoints
+    one_kv_head = make_fp8_checkpoint(make_tiny_checkpoint(tmp_path / "source", family="qwen3", seed=3,
+                                                           num_key_value_heads=1), tmp_path / "fp8")
+    paths = {"fp8": fp8, "one-kv-head": one_kv_head}  # KV heads split, or one replicated
+    ids = torch.randint(0, 512, (21,))
+    with torch_threads(1):
+        reference = _fp8_logits(paths, ids)
+    for per_rank in run_on_ranks(_fp8_logits, 2, paths, ids, num_threads=1):
+        for name, logits in per_rank.items():
+            torch.testing.assert_close(logits, reference[name], atol=1e-4, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("bad", ["int4", "awq", "FP8"])
 def test_a_bad_quantization_is_refused_by_name(bad, tiny_qwen3):
     with pytest.raises(ValueError, match="quantization="):

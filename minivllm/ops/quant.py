@@ -12,9 +12,11 @@ lives is the whole design:
 - per 128x128 block of W and per 1x128 group of a token (the hub's FP8 checkpoints): a
   finer grid, which the block-scaled kernel (``kernels.fp8_matmul``) applies tile by tile.
 
-Values past the scale's range saturate at +-448 instead of becoming inf (e4m3 has no inf:
-the cast of a larger value gives NaN, so the clamp comes first).
+Values past the scale's range saturate at +-448: e4m3 has no inf, and a cast of a larger
+value may give NaN, so the clamp comes before the cast.
 """
+import functools
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -87,8 +89,13 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     GPU (compute capability 8.9 or more), with K and N multiples of 16, and row-wise scales
     with a bfloat16 output."""
     n, k = weight.shape
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and x.dtype == torch.bfloat16
-            and k % 16 == 0 and n % 16 == 0)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+            and _has_fp8_tensor_cores(x.device.index or 0))
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
