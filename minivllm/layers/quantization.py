@@ -21,8 +21,9 @@ Three methods:
 
 Only the decoder's projections are quantized (attention's qkv and o, the feed-forward's
 gate_up and down, the linear-attention projections). The embedding, the LM head and the norms
-stay in the model's dtype, and so do the MoE experts (their fused kernel reads bf16) and the
-routers (``NOT_QUANTIZED``): a router's few columns decide which experts run, and are cheap.
+stay in the model's dtype, and so do the MoE experts (their fused kernel reads bf16; a
+checkpoint with fp8 experts is refused by the loader, not yet supported) and the routers
+(``NOT_QUANTIZED``): a router's few columns decide which experts run, and are cheap.
 """
 import torch
 from torch import nn
@@ -104,7 +105,7 @@ class Fp8BlockLinearMethod(UnquantizedLinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
         bn, bk = self.block
         for shard in getattr(layer, "shards", {}).values():
-            _check_shard_blocks(shard, bn, "rows")
+            _check_shard_blocks(shard, bn)
         if getattr(layer, "tp_size", 1) > 1 and layer.input_size % bk:
             raise ValueError(f"a block-scaled fp8 layer split over ranks needs {layer.input_size} input columns per "
                              f"rank to be a multiple of the block's {bk}")
@@ -154,13 +155,13 @@ class Fp8BlockLinearMethod(UnquantizedLinearMethod):
         return act_and_mul(self.apply(layer, x, layer.bias), activation)
 
 
-def _check_shard_blocks(shard, bn: int, what: str) -> None:
+def _check_shard_blocks(shard, bn: int) -> None:
     """A packed shard must start on a block boundary, in the checkpoint and in the layer, and
     fill whole blocks, or end where its checkpoint tensor ends: each block has one scale."""
     last_block_is_partial = shard.start + shard.size == shard.full_rows
     if shard.start % bn or shard.offset % bn or (shard.size % bn and not last_block_is_partial):
-        raise ValueError(f"a block-scaled fp8 layer packs {shard.size} {what} at row {shard.offset}: "
-                         f"each packed projection must be whole blocks of {bn} {what}")
+        raise ValueError(f"a block-scaled fp8 layer packs {shard.size} rows at row {shard.offset}: "
+                         f"each packed projection must be whole blocks of {bn} rows")
 
 
 def linear_method(quantization: str | None, quantization_config: dict | None) -> UnquantizedLinearMethod | None:
