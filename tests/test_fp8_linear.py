@@ -115,12 +115,13 @@ def poisoned_empty(monkeypatch):
 @pytest.mark.parametrize("m,n,k,block", [(5, 200, 300, (128, 128)), (33, 64, 48, (16, 16)), (2, 50, 70, (16, 32))])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_block_fp8_matmul_matches_its_torch_reference(m, n, k, block, with_bias, poisoned_empty):
-    from minivllm.kernels.fp8_matmul import block_fp8_linear
+    from minivllm.kernels.fp8_matmul import block_fp8_matmul
 
     x = torch.randn(m, k, dtype=torch.bfloat16)
     w_q, w_s = quantize_blocks(torch.randn(n, k) / k**0.5, block)
     bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-    out = block_fp8_linear(x, w_q, w_s, block, bias)
+    x_q, x_s = quantize_per_group(x, block[1])
+    out = block_fp8_matmul(x_q, x_s, w_q, w_s, block, bias, out_dtype=torch.bfloat16)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16 and not out.isnan().any()
     ref = fp8_block_linear_reference(x.float(), w_q, w_s, block, bias)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # the output's bf16 rounding
@@ -286,12 +287,13 @@ def test_scaled_mm_at_real_shapes():
 
 @pytest.mark.gpu
 def test_block_fp8_matmul_at_real_shapes():
-    from minivllm.kernels.fp8_matmul import block_fp8_linear
+    """The block-scaled kernel through its op (the activations quantized on the GPU too)."""
+    from minivllm.ops.quant import fp8_block_linear
 
     for m, n, k in [(1, 4096, 1024), (16, 6144, 1024), (512, 1024, 3072), (300, 1000, 1000)]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w_q, w_s = quantize_blocks(torch.randn(n, k, device="cuda") / k**0.5, (128, 128))
-        out = block_fp8_linear(x, w_q, w_s, (128, 128))
+        out = fp8_block_linear(x, w_q, w_s, (128, 128))
         ref = fp8_block_linear_reference(x.float(), w_q, w_s, (128, 128))
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
 

@@ -9,15 +9,15 @@ scales multiply its float32 result once per K step, not once per product:
 
     acc[m, n] += (a_q[m, kb-th 128 columns] . w_q[n, same columns]) * a_s[m, kb] * w_s[n // 128, kb]
 
-So the kernel reads one byte per weight, and the scales add 1/128 of a float per row of the
-weight tile. The activations are quantized in torch (``ops.quant.quantize_per_group``);
-the torch reference of the whole product is ``ops.quant.fp8_block_linear_reference``.
+Per product: bytes ~ (M + N) * K at one byte each (+ the scales, 4 / 128 of that) + 2 M N
+out; FLOPs = 2 M N K on the FP8 tensor cores, twice bf16's rate. The activations come
+quantized (``ops.quant.quantize_per_group``); the torch reference of the whole product is
+``ops.quant.fp8_block_linear_reference``, its op ``ops.quant.fp8_block_linear``.
 """
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.ops.quant import quantize_per_group
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -81,10 +81,3 @@ def block_fp8_matmul(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
         HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_K=group_k, **config,
     )
     return out
-
-
-def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] in the model's dtype: quantized per token group, then block_fp8_matmul."""
-    a_q, a_s = quantize_per_group(x, block[1])
-    return block_fp8_matmul(a_q, a_s, w_q, w_s, block, bias, out_dtype=x.dtype)

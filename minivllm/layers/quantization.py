@@ -13,11 +13,11 @@ Three methods:
 - ``Fp8LinearMethod`` (``quantization="fp8"`` on a bf16 or fp32 checkpoint): the weight is
   loaded as published, then quantized to e4m3 with one scale per output row; activations are
   quantized per token at each call (W8A8, ``ops.quant.fp8_linear``). For a few rows on a GPU
-  the decode gemv reads the e4m3 weight and keeps the activations in bf16 (W8A16): half the
-  bytes of bf16, and no activation to quantize;
+  the decode gemv reads the e4m3 weight and keeps the activations as they are (W8A16,
+  ``ops.linear``): half the bytes of bf16, and no activation to quantize;
 - ``Fp8BlockLinearMethod`` (a checkpoint whose config.json has an fp8 ``quantization_config``,
   as the hub's Qwen3 FP8 checkpoints): e4m3 weights with one ``weight_scale_inv`` per block
-  (128 x 128 on the hub), loaded as they are, multiplied by ``kernels.fp8_matmul`` on a GPU.
+  (128 x 128 on the hub), loaded as they are, multiplied by ``ops.quant.fp8_block_linear``.
 
 Only the decoder's projections are quantized (attention's qkv and o, the feed-forward's
 gate_up and down, the linear-attention projections). The embedding, the LM head and the norms
@@ -30,9 +30,8 @@ from torch import nn
 
 from minivllm.config import check_quantization
 from minivllm.ops.activation import act_and_mul
-from minivllm.ops.dispatch import use_triton
 from minivllm.ops.linear import gated_linear, gated_linear_fuses, linear
-from minivllm.ops.quant import FP8_DTYPE, fp8_block_linear_reference, fp8_linear, quantize_per_row
+from minivllm.ops.quant import FP8_DTYPE, fp8_block_linear, quantize_per_row
 
 # Linear layers that keep the model's dtype under any quantization: the routers of MoE layers.
 NOT_QUANTIZED = ("gate", "shared_expert_gate")
@@ -69,29 +68,10 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _fp8_gemv_serves(x):  # decode's few rows: W8A16, the weight's bytes are the cost
-            from minivllm.kernels import gemv
-
-            return gemv.gemv(x, layer.weight, bias, weight_scale=layer.weight_scale)
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
-
-    def gated_fuses(self, layer: nn.Module, x: torch.Tensor, activation: str) -> bool:
-        return activation == "silu" and layer.bias is None and _fp8_gemv_serves(x)
+        return linear(x, layer.weight, bias, weight_scale=layer.weight_scale)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
-        if self.gated_fuses(layer, x, activation):
-            from minivllm.kernels import gemv
-
-            return gemv.gemv_silu_and_mul(x, layer.weight, weight_scale=layer.weight_scale)
-        return act_and_mul(self.apply(layer, x, layer.bias), activation)
-
-
-def _fp8_gemv_serves(x: torch.Tensor) -> bool:
-    if not (use_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    from minivllm.kernels import gemv
-
-    return x.shape[0] <= gemv.MAX_ROWS
+        return gated_linear(x, layer.weight, layer.bias, activation, weight_scale=layer.weight_scale)
 
 
 class Fp8BlockLinearMethod(UnquantizedLinearMethod):
@@ -142,11 +122,7 @@ class Fp8BlockLinearMethod(UnquantizedLinearMethod):
         target.copy_(source)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not use_triton(x):
-            return fp8_block_linear_reference(x, layer.weight, layer.weight_scale_inv, self.block, bias)
-        from minivllm.kernels.fp8_matmul import block_fp8_linear
-
-        return block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, bias)
 
     def gated_fuses(self, layer: nn.Module, x: torch.Tensor, activation: str) -> bool:
         return False

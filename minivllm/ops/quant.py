@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from minivllm.ops.dispatch import use_triton
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # The smallest scale: an all-zero row gets this instead of 0, so q = x / s stays finite.
@@ -120,3 +122,15 @@ def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_sca
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 with block-scaled weights: x [M, K] quantized per token per bk columns, then the
+    block-scaled matmul (``kernels.fp8_matmul`` on a GPU, the float32 reference elsewhere)."""
+    if not use_triton(x):
+        return fp8_block_linear_reference(x, weight, weight_scale_inv, block, bias)
+    from minivllm.kernels.fp8_matmul import block_fp8_matmul
+
+    x_q, x_scale = quantize_per_group(x, block[1])
+    return block_fp8_matmul(x_q, x_scale, weight, weight_scale_inv, block, bias, out_dtype=x.dtype)
