@@ -58,6 +58,31 @@ def test_quantize_blocks_and_groups_have_one_scale_per_block():
     torch.testing.assert_close(dequantize_blocks(xq, xs, (1, 128)), x, atol=xs.max().item() * 2.0**-9, rtol=2.0**-4)
 
 
+def representable(m: int, k: int, group: int) -> torch.Tensor:
+    """[m, k] bf16 values that are e4m3 values times a power of two per row, each group's
+    amax exactly 448 times it (and one group all zeros): quantizing them rounds nothing."""
+    q = torch.randn(m, k).mul(50).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    q[:, ::group] = FP8_MAX
+    q[-1, :group] = 0.0
+    return (q * torch.tensor([2.0**i for i in range(-3, m - 3)])[:, None]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 300, 128), (5, 300, 300), (2, 2500, 2500), (4, 70, 16)])
+def test_quantize_groups_kernel_matches_its_spec(m, k, group, poisoned_empty):
+    """The activations' quantization kernel (scales, saturation, groups cut at the row's end,
+    a zero group) against ops.quant.quantize_per_group, on values it quantizes exactly: the
+    Triton interpreter rounds float32 to e4m3 wrongly where rounding carries into the
+    exponent (124.3 -> 64, not 128), so rounding itself is checked on the GPU."""
+    from minivllm.kernels.fp8_matmul import quantize_groups
+    from minivllm.ops.quant import MIN_SCALE
+
+    x = representable(m, k, group)
+    q, scale = quantize_groups(x, group, FP8_MAX, MIN_SCALE)
+    q_ref, scale_ref = quantize_per_group(x, group)
+    assert torch.equal(scale, scale_ref) and scale.shape == (m, -(-k // group))
+    assert torch.equal(q.float(), q_ref.float())
+
+
 def loaded_layer(layer: Linear, weight: torch.Tensor, method, shards=None) -> Linear:
     """``layer`` with ``method``, its weight loaded (whole, or by shards) and processed."""
     set_linear_methods([layer], method)
@@ -283,6 +308,21 @@ def test_scaled_mm_at_real_shapes():
     w_q, w_s = quantize_per_row(torch.randn(40, 72, device="cuda"))
     assert not scaled_mm_fits(x, w_q[:-1])
     torch.testing.assert_close(fp8_linear(x, w_q[:-1], w_s[:-1]), fp8_linear_reference(x, w_q[:-1], w_s[:-1]))
+
+
+@pytest.mark.gpu
+def test_quantize_activations_on_the_gpu_rounds_as_the_spec():
+    """The Triton kernel against the torch spec on random bf16 activations: the same scales,
+    and each value within one e4m3 step (the kernel's float32 division may round a value on
+    a rounding boundary the other way)."""
+    from minivllm.ops.quant import quantize_activations
+
+    for m, k, group in [(512, 1024, None), (300, 3072, 128), (7, 1000, 128)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.rand(m, 1, device="cuda") * 10
+        q, scale = quantize_activations(x, group)
+        q_ref, scale_ref = quantize_per_row(x) if group is None else quantize_per_group(x, group)
+        torch.testing.assert_close(scale, scale_ref, atol=0, rtol=1e-6)
+        torch.testing.assert_close(q.float(), q_ref.float(), atol=2.0**-9, rtol=2.0**-3)
 
 
 @pytest.mark.gpu

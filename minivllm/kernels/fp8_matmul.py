@@ -10,14 +10,58 @@ scales multiply its float32 result once per K step, not once per product:
     acc[m, n] += (a_q[m, kb-th 128 columns] . w_q[n, same columns]) * a_s[m, kb] * w_s[n // 128, kb]
 
 Per product: bytes ~ (M + N) * K at one byte each (+ the scales, 4 / 128 of that) + 2 M N
-out; FLOPs = 2 M N K on the FP8 tensor cores, twice bf16's rate. The activations come
-quantized (``ops.quant.quantize_per_group``); the torch reference of the whole product is
-``ops.quant.fp8_block_linear_reference``, its op ``ops.quant.fp8_block_linear``.
+out; FLOPs = 2 M N K on the FP8 tensor cores, twice bf16's rate. The activations are
+quantized before it by ``quantize_groups`` (one scale per token per group of columns; per
+token, for the per-channel W8A8 product, with the group the whole row). The torch reference
+of the whole product is ``ops.quant.fp8_block_linear_reference``, its op
+``ops.quant.fp8_block_linear``.
 """
 import torch
 import triton
 import triton.language as tl
 
+
+
+@triton.jit(do_not_specialize=["K", "GROUP"])
+def _quantize_groups_kernel(
+    x_ptr,  # [M, K] in the model's dtype
+    q_ptr,  # [M, K] e4m3
+    s_ptr,  # [M, ceil(K / GROUP)] float32
+    K, GROUP, stride_xm, stride_qm, stride_sm,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (row, group of GROUP columns): the group's amax in a first pass, then
+    x / scale saturated to +-FP8_MAX and stored as e4m3 in a second."""
+    row, group = tl.program_id(0), tl.program_id(1)
+    start = group * GROUP
+    end = tl.minimum(start + GROUP, K)
+    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < end, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax) / FP8_MAX, MIN_SCALE)
+    for k0 in range(start, end, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + k, mask=k < end, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+def quantize_groups(x: torch.Tensor, group: int, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scale [M, ceil(K / group)]): one read of x, one write
+    of a byte per value (the torch spec, ``ops.quant.quantize_per_group``, takes several
+    passes in float32). ``group`` = K gives one scale per token."""
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    _quantize_groups_kernel[(m, scale.shape[1])](
+        x, q, scale, k, group, x.stride(0), q.stride(0), scale.stride(0),
+        FP8_MAX=fp8_max, MIN_SCALE=min_scale, BLOCK=min(1024, triton.next_power_of_2(group)),
+    )
+    return q, scale
 
 
 @triton.jit(do_not_specialize=["M"])

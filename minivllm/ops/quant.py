@@ -75,6 +75,17 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return q.float() * scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
+def quantize_activations(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations of a W8A8 product, quantized at each call: one scale per token
+    (``group`` None: [M, 1]) or per token per ``group`` columns ([M, ceil(K / group)]). One
+    Triton kernel on a GPU; the torch spec elsewhere."""
+    if not use_triton(x):
+        return quantize_per_row(x) if group is None else quantize_per_group(x, group)
+    from minivllm.kernels.fp8_matmul import quantize_groups
+
+    return quantize_groups(x, x.shape[1] if group is None else group, FP8_MAX, MIN_SCALE)
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b), W8A8 per channel: x quantized per token, both dequantized and
@@ -107,7 +118,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (or a GPU) they do not take runs the float32 reference, correct but slow."""
     if not scaled_mm_fits(x, weight):
         return fp8_linear_reference(x, weight, weight_scale, bias)
-    x_q, x_scale = quantize_per_row(x)
+    x_q, x_scale = quantize_activations(x)
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
                             bias=bias, out_dtype=x.dtype)
 
@@ -132,5 +143,5 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return fp8_block_linear_reference(x, weight, weight_scale_inv, block, bias)
     from minivllm.kernels.fp8_matmul import block_fp8_matmul
 
-    x_q, x_scale = quantize_per_group(x, block[1])
+    x_q, x_scale = quantize_activations(x, block[1])
     return block_fp8_matmul(x_q, x_scale, weight, weight_scale_inv, block, bias, out_dtype=x.dtype)
