@@ -141,7 +141,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     if (weight_scale is None) != (weight.dtype != torch.float8_e4m3fn):
         raise ValueError(f"gemv: an e4m3 weight comes with its weight_scale, another one without ({weight.dtype})")
     if weight_scale is not None and weight_scale.numel() != weight.shape[0]:
-        raise ValueError(f"gemv: weight_scale needs one scale per row ({weight.shape[0]}), got {tuple(weight_scale.shape)}")
+        raise ValueError(f"gemv: weight_scale needs one scale per row ({weight.shape[0]}), "
+                         f"got {tuple(weight_scale.shape)}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
