@@ -14,7 +14,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # as server.serving_engine's
 
 # The engine fields that are LLM()'s own arguments rather than engine arguments, or that a
 # command line has no use for (the model is the command's; record_trace is for notebooks).
-NOT_ENGINE_FLAGS = ("model", "record_trace")
+NOT_ENGINE_FLAGS = ("model", "record_trace", "quantization")  # quantization: vLLM's flag (VLLM_FLAGS)
 # ``minivllm bench WHICH`` runs the ``main`` of this module of minivllm.bench.
 BENCHMARKS = {"throughput": "throughput", "latency": "latency", "kernels": "kernels", "moe": "moe",
               "gated-delta": "gated_delta", "serving": "serving", "tp": "tensor_parallel",
@@ -51,7 +51,8 @@ VLLM_FLAGS = {  # flag name -> (its argparse keywords, a short alias or None)
 VLLM_VALUES = {
     "tokenizer": "the model's own only (its name or folder): the tokenizer is read from the model's folder",
     "revision": "a hub id's branch, tag or commit to load",
-    "quantization": "auto or none only: weights in the model's dtype (others: not supported yet)",
+    "quantization": "fp8: quantize the linear layers' weights to fp8 at load (W8A8); auto or none: weights as the "
+                    "checkpoint has them (an fp8 checkpoint loads as published either way)",
     "kv_cache_dtype": "auto only: the KV cache in the model's dtype (others: not supported yet)",
     "enable_chunked_prefill": "always on here: a long prompt is split across steps (max_num_batched_tokens)",
     "pipeline_parallel_size": "1 only: split a model across GPUs with --tensor-parallel-size",
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine", type=json.loads, default=None,
                        help="throughput: EngineConfig fields for the engine, as a JSON object (e.g. "
                             "'{\"max_num_batched_tokens\": 16384}'; default: the engine's defaults)")
+    bench.add_argument("--quantization", "-q", default=None,
+                       help="throughput: fp8 quantizes the linear layers' weights at load (default: bf16 weights)")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
@@ -350,8 +353,9 @@ def main(argv: list[str] | None = None) -> None:
         options = {}
         if args.which == "throughput":
             options["with_transformers"] = not args.no_transformers
-            if args.engine:
-                options["engine_args"] = args.engine
+            if args.engine or args.quantization:
+                quantization = {} if args.quantization is None else {"quantization": args.quantization}
+                options["engine_args"] = {**(args.engine or {}), **quantization}
         elif args.which == "serving":
             options["model"] = args.model
             if args.rates:

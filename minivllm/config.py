@@ -97,6 +97,9 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which stay dense
     shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: a gated expert every token goes through
     vision_language: bool = False  # the text part of a vision-language checkpoint (see text_part)
+    # A checkpoint published in fp8 (the hub's Qwen3 FP8): its config.json's quantization_config,
+    # checked (fp8_quantization_config). None: the weights are in torch_dtype.
+    quantization_config: dict | None = None
     torch_dtype: torch.dtype = torch.float32
     eos_token_id: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -201,6 +204,7 @@ class ModelConfig:
             mlp_only_layers=list(hf.get("mlp_only_layers") or []),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
             vision_language=vision_language,
+            quantization_config=fp8_quantization_config(hf.get("quantization_config")),
             eos_token_id=eos,
             hf_config=hf,
         )
@@ -215,6 +219,37 @@ class ModelConfig:
         # A checkpoint without a separate head must reuse the embedding matrix.
         if "lm_head.weight" not in names:
             self.tie_word_embeddings = True
+
+
+def fp8_quantization_config(quantization_config: dict | None) -> dict | None:
+    """A checkpoint's ``quantization_config``, checked: what this engine loads is the hub's
+    fp8 layout, e4m3 weights with [rows, columns] block scales and activations quantized
+    at each call (dynamic). Anything else is refused by name before any weight is read."""
+    if quantization_config is None:
+        return None
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config quant_method={method!r} is not supported yet; implemented: 'fp8'")
+    block = quantization_config.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config weight_block_size={block!r}: an fp8 checkpoint without [rows, columns] "
+                         "weight blocks (per-tensor scales) is not supported yet")
+    scheme = quantization_config.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config activation_scheme={scheme!r} is not supported yet; implemented: "
+                         "'dynamic' (activation scales computed at each call)")
+    return {**quantization_config, "weight_block_size": list(block)}
+
+
+# EngineConfig.quantization's values (vLLM's names). None, "none" and "auto" keep the weights
+# as the checkpoint has them; "fp8" quantizes a bf16 or fp32 checkpoint's linear layers at load.
+QUANTIZATIONS = (None, "none", "auto", "fp8")
+
+
+def check_quantization(quantization) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported yet; implemented: "
+                         f"{', '.join(map(repr, QUANTIZATIONS))}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
@@ -335,8 +370,13 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}, or
     # {"model": draft_folder, "num_speculative_tokens": k} (method "draft_model"). None: off.
     speculative_config: dict | None = None
+    # Weights in fp8 (chapter 20): "fp8" quantizes the linear layers of a bf16 or fp32
+    # checkpoint at load (``layers.quantization``); None, "none" or "auto" keep the
+    # checkpoint's format. A checkpoint published in fp8 loads as published either way.
+    quantization: str | None = None
 
     def __post_init__(self):
+        check_quantization(self.quantization)
         self.speculative = None
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)

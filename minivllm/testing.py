@@ -8,6 +8,8 @@ template, so text features (stop strings, streaming, chat) can be tested on tiny
 """
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -244,6 +246,64 @@ def make_layer_skip_draft(target: str | Path, path: str | Path, num_layers: int,
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# The decoder projections a hub FP8 checkpoint stores in e4m3 (dense layers; experts stay as they are).
+FP8_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def make_fp8_checkpoint(source: str | Path, path: str | Path, weight_block_size: tuple[int, int] = (16, 16)) -> Path:
+    """Write ``source`` (a bf16 or fp32 checkpoint of a dense family) to ``path`` as the hub
+    publishes its FP8 checkpoints: each decoder projection's ``weight`` in e4m3 with one
+    float32 ``weight_scale_inv`` per block, everything else as it was, and config.json's
+    ``quantization_config`` saying so. The hub's blocks are 128 x 128; a tiny model's
+    matrices are 32 to 128 rows, so 16 x 16 blocks give each of them several. The
+    tokenizer files, if any, are copied."""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm.ops.quant import quantize_blocks
+    from minivllm.safetensors_index import safetensors_files
+
+    source, path = Path(source), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(weight_block_size)}
+    tensors = {}
+    for file in safetensors_files(source):
+        for name, t in load_file(file).items():
+            if FP8_PROJECTION.match(name):
+                tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, weight_block_size)
+            else:
+                tensors[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(file, path / file.name)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def dequantize_fp8_checkpoint(source: str | Path, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The reverse of ``make_fp8_checkpoint``: each e4m3 weight times its block scales, in
+    ``dtype``, and no quantization_config. The same real numbers as the fp8 checkpoint
+    holds, multiplied without quantizing the activations: the reference fp8 is checked on."""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm.ops.quant import dequantize_blocks
+    from minivllm.safetensors_index import safetensors_files
+
+    source, path = Path(source), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    block = config.pop("quantization_config")["weight_block_size"]
+    tensors = {name: t for file in safetensors_files(source) for name, t in load_file(file).items()}
+    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        tensors[weight] = dequantize_blocks(tensors[weight], tensors.pop(name), block).to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 

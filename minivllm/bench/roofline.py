@@ -18,6 +18,13 @@ QWEN3_0_6B = dict(  # Qwen3-0.6B's exact shapes
 )
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a model's weights are stored in, each parameter at its own dtype's size: a
+    quantized linear layer's at one byte per weight (e4m3) plus its float32 scales, the
+    rest at the model's dtype. What a step reads of them, at least once, from memory."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
     """Median seconds of fn() on the GPU, timed with CUDA events after a warm-up."""
     for _ in range(warmup):

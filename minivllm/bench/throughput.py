@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed
+from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed, weight_bytes
 from minivllm.testing import make_tiny_checkpoint
 
 
@@ -50,8 +50,12 @@ def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B,
     return folder
 
 
-def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2) -> dict:
-    """The floor time of the engine's actual steps (see the module docstring)."""
+def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2,
+                   weight_bytes: float | None = None) -> dict:
+    """The floor time of the engine's actual steps (see the module docstring). ``weight_bytes``:
+    what the weights are stored in (``roofline.weight_bytes``; fewer than params * dtype_bytes
+    with fp8 linear layers), params * dtype_bytes if not given."""
+    weight_bytes = params * dtype_bytes if weight_bytes is None else weight_bytes
     # BEGIN SOLUTION ch15 speed_of_light
     c = model_config
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
@@ -63,7 +67,7 @@ def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes
     for step in trace:
         tokens = sum(n for _, n, _ in step.seqs)
         sampled = len(step.seqs)
-        step_bytes = params * dtype_bytes + step.kv_tokens_read * kv_bytes_per_token
+        step_bytes = weight_bytes + step.kv_tokens_read * kv_bytes_per_token
         step_flops = 2 * body * tokens + 2 * embed * sampled + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * step.attention_pairs
         total_bytes += step_bytes
         total_flops += step_flops
@@ -192,6 +196,7 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
         "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
         "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
+        "_weight_bytes": weight_bytes(model),
         "_config": model.config,
     })
     llm.engine.runner.shutdown()
@@ -246,7 +251,8 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
     ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu, **(engine_args or {}))
     # Both runs have the same schedule (same lengths, no prefix hits), so the second run's
     # trace gives the floor of each.
-    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings)
+    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings,
+                         weight_bytes=ours.pop("_weight_bytes"))
     ours["speed_of_light"] = sol
     for run in ("first_run", "second_run"):
         ours[run]["percent_of_speed_of_light"] = 100 * sol["floor_seconds"] / ours[run]["seconds"]

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # vLLM's engine arguments that a script or a command line copied from vLLM commonly passes, and
 # what minivllm makes of each (``vllm_engine_args``). Accepted: they change nothing on this
 # engine, and a notice says why. Refused: out of minivllm's scope, the message says what it does
-# instead. (``tokenizer``, ``revision``, ``quantization``, ``kv_cache_dtype``,
+# instead. (``tokenizer``, ``revision``, ``kv_cache_dtype``,
 # ``enable_chunked_prefill`` and ``pipeline_parallel_size`` are accepted for some values only,
 # see ``vllm_engine_args``.)
 ACCEPTED_VLLM_ARGS = {
@@ -115,7 +115,7 @@ def vllm_engine_args(engine_args: dict) -> tuple[dict, str | None]:
     for name in sorted(set(args) & set(ACCEPTED_VLLM_ARGS)):
         if args.pop(name) not in (None, False):
             logger.info("%s accepted and changes nothing: %s", name, ACCEPTED_VLLM_ARGS[name])
-    for name in ("quantization", "kv_cache_dtype"):
+    for name in ("kv_cache_dtype",):
         value = args.pop(name, None)
         if value not in (None, "auto", "none"):
             raise ValueError(f"{name}={value!r}: not supported yet; weights and the KV cache are kept in the model's "

@@ -56,7 +56,8 @@ class ModelRunner:
         # reports it): the weights, the KV pool, the CUDA graphs, compiling the kernels.
         self.startup_seconds: dict[str, float] = {}
         with self._startup_phase("load_weights"):
-            self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+            self.model = load_model(config.model, dtype=config.dtype, device=self.device,
+                                    quantization=config.quantization)
         self.model_config = self.model.config
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)

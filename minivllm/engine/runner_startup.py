@@ -154,25 +154,24 @@ def warm_matmuls(model, config: EngineConfig, device: torch.device) -> None:
     then every ``MATMUL_WARM_STEP``-th up to the step budget: a count between two warmed
     ones may still pick a kernel neither loaded (not checked count by count); the
     H200's first run came level with its second with this stride."""
-    from minivllm.ops.linear import linear
-
     budget = config.max_num_batched_tokens
     few = range(1, min(config.max_num_seqs, budget) + 1)
     counts = sorted(set(few) | set(range(MATMUL_WARM_STEP, budget + 1, MATMUL_WARM_STEP)) | {budget})
-    shapes = {}  # (this rank's weight shape, bias?) -> a layer's weight and bias
+    shapes = {}  # (this rank's weight shape and format, bias?) -> a layer of them
     for layer in linear_layers(model):
-        shapes.setdefault((tuple(layer.weight.shape), layer.bias is not None), (layer.weight, layer.bias))
+        shapes.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.bias is not None), layer)
     heads = {}
     for head in lm_heads(model):
         heads.setdefault(tuple(head.weight.shape), head.weight)
-    widest = max([w.shape[1] for w, _ in shapes.values()] + [w.shape[1] for w in heads.values()], default=0)
+    widest = max([layer.weight.shape[1] for layer in shapes.values()] + [w.shape[1] for w in heads.values()],
+                 default=0)
     if widest == 0:
         return
     x = torch.randn(budget, widest, dtype=config.dtype, device=device)
-    for weight, bias in shapes.values():
+    for layer in shapes.values():
         for m in counts:
-            # (The layer's op, not the layer: no tensor-parallel collective here.)
-            linear(x[:m, : weight.shape[1]], weight, bias)
+            # (The layer's quantization method, not the layer: no tensor-parallel collective here.)
+            layer.quant_method.apply(layer, x[:m, : layer.weight.shape[1]], layer.bias)
     for weight in heads.values():  # the LM head's rows: at most one per sampled row
         for m in few:
             torch.nn.functional.linear(x[:m, : weight.shape[1]], weight)

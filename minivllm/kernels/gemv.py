@@ -24,6 +24,12 @@ their first bytes stream in while that kernel finishes.
 The feed-forward's gate and up projections can end in SwiGLU here (``gemv_silu_and_mul``):
 each program computes the same columns of gate and of up and writes silu(gate) * up, so the
 [rows, 2I] intermediate and the SiLU-and-mul kernel are gone.
+
+FP8 weights (chapter 20, ``quantization="fp8"``): W may be e4m3 with one float32 scale per
+row (``weight_scale``). The kernel reads the byte, widens it to the activations' dtype
+in registers (exact: every e4m3 value is a bf16 value) and multiplies the column's sum by
+its row's scale once, at the end: W8A16, half the bytes of a bf16 W, the activations
+untouched. At decode's few rows those bytes are the whole cost.
 """
 import torch
 import triton
@@ -41,8 +47,8 @@ def _tile_product(x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed: [BLOCK_M, BLOCK_N] float32.
     On the tensor cores (DOT: BLOCK_M >= 16, the rows padded), or for a few rows as products
     summed along K, which lets a program own fewer than 16 columns."""
-    if DOT:
-        product = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if DOT:  # (an e4m3 w is widened to x's dtype: the tensor cores take one dtype)
+        product = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
     elif x.shape[0] == 1:  # one row: [BLOCK_N, BLOCK_K] products, summed along K
         product = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
     else:  # [BLOCK_M, BLOCK_N, BLOCK_K] products, summed along K
@@ -53,11 +59,12 @@ def _tile_product(x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr,  # [M, K], M <= MAX_ROWS
-    w_ptr,  # [N, K] (GATED: [2N, K], the gate's N rows then up's)
+    w_ptr,  # [N, K] (GATED: [2N, K], the gate's N rows then up's), in x's dtype or e4m3
     b_ptr,  # [N] (read only with HAS_BIAS)
+    s_ptr,  # [N] (GATED: [2N]) float32: the e4m3 weight's scale per row (read only with HAS_SCALE)
     out_ptr,  # [M, N]
     M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -84,6 +91,10 @@ def _gemv_kernel(
             w_up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
             acc_up += _tile_product(x, w_up, DOT, PRECISION)
     dtype = out_ptr.dtype.element_ty
+    if HAS_SCALE:  # the sum over K of a row times its scale: the scale once per column
+        acc *= tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptr + N + n, mask=n < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -123,14 +134,19 @@ def gated_config(n: int, k: int, rows: int = 2) -> dict:
     return {**config, "BLOCK_N": max(16, config["BLOCK_N"] // 2)}
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     if m > MAX_ROWS or weight.shape[1] != k:
         raise ValueError(f"gemv takes at most {MAX_ROWS} rows of width {weight.shape[1]}, got {tuple(x.shape)}")
+    if (weight_scale is None) != (weight.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"gemv: an e4m3 weight comes with its weight_scale, another one without ({weight.dtype})")
+    if weight_scale is not None and weight_scale.numel() != weight.shape[0]:
+        raise ValueError(f"gemv: weight_scale needs one scale per row ({weight.shape[0]}), "
+                         f"got {tuple(weight_scale.shape)}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(x, weight, bias, out, n, gated, config):
+def _launch(x, weight, bias, weight_scale, out, n, gated, config):
     m, k = x.shape
     config = {"DOT": m > SUM_ROWS, **config}  # a config without DOT: the default path for m rows
     if not config["DOT"] and m > 2 * SUM_ROWS:
@@ -138,28 +154,31 @@ def _launch(x, weight, bias, out, n, gated, config):
     if config["DOT"] and config["BLOCK_N"] < 16:
         raise ValueError(f"DOT=True (the tensor cores) needs BLOCK_N >= 16, got {config['BLOCK_N']}")
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out,
+        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PRECISION=dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GATED=gated, PRECISION=dot_precision(x.dtype),
         BLOCK_M=16 if config["DOT"] else triton.next_power_of_2(m), **pdl_options(x), **config,
     )
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config) -> torch.Tensor:
-    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout). Returns x @ weight.T (+ bias)."""
-    x = _check(x, weight)
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         weight_scale: torch.Tensor | None = None, **config) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout), or e4m3 with
+    ``weight_scale`` [N, 1] float32. Returns x @ (weight * weight_scale).T (+ bias)."""
+    x = _check(x, weight, weight_scale)
     n = weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, n, False, config or gemv_config(n, x.shape[1], x.shape[0]))
+    return _launch(x, weight, bias, weight_scale, out, n, False, config or gemv_config(n, x.shape[1], x.shape[0]))
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, **config) -> torch.Tensor:
-    """x: [M, K] with M <= 16, weight: [2N, K], the gate's rows then up's (GateUpLinear).
-    Returns silu(x @ W_gate.T) * (x @ W_up.T): [M, N]."""
-    x = _check(x, weight)
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                      **config) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [2N, K], the gate's rows then up's (GateUpLinear), or
+    e4m3 with ``weight_scale`` [2N, 1]. Returns silu(x @ W_gate.T) * (x @ W_up.T): [M, N]."""
+    x = _check(x, weight, weight_scale)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_and_mul needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, None, out, n, True, config or gated_config(n, x.shape[1], x.shape[0]))
+    return _launch(x, weight, None, weight_scale, out, n, True, config or gated_config(n, x.shape[1], x.shape[0]))

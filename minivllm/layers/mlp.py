@@ -9,7 +9,6 @@ from torch import nn
 
 from minivllm.layers.activation import ActAndMul
 from minivllm.layers.linear import GateUpLinear, RowParallelLinear
-from minivllm.ops.linear import gated_linear, gated_linear_fuses
 
 
 class GatedMLP(nn.Module):
@@ -21,8 +20,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, activation = self.gate_up_proj, self.act_fn.activation
-        if gated_linear_fuses(x, gate_up.bias, activation):
+        if gate_up.gated_fuses(x, activation):
             # The gate/up product ending in SwiGLU, one kernel (a few rows on a GPU); the
             # modules' own path (and their hooks) everywhere else.
-            return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, activation))
+            return self.down_proj(gate_up.forward_gated(x, activation))
         return self.down_proj(self.act_fn(gate_up(x)))
