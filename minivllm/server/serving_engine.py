@@ -344,7 +344,7 @@ class OpenAIServingGeneration(OpenAIServing):
         request.state.request_id = request_id  # what the X-Request-Id header says, unless the client named it
         arrival = time.perf_counter()
         ids = [request_id] if len(generate_args) == 1 else [f"{request_id}-{i}" for i in range(len(generate_args))]
-        return [self.metrics.observe(self.engine.generate(prompt_ids, params, rid, text), arrival)
+        return [self.metrics.observe(self.engine.generate(prompt_ids, params, rid, text), arrival, params)
                 for rid, (prompt_ids, text) in zip(ids, generate_args)]
 
     async def respond(self, outputs, request: Request, head: dict, choice, n: int, extra=None):
