@@ -214,3 +214,30 @@ def test_the_bundled_models_root_is_its_folder():
     from minivllm.engine.engine_args import BUNDLED_MODEL
 
     assert server_config(parse_args(build_parser(), ["serve"])).model_root == str(BUNDLED_MODEL)
+
+
+def test_an_image_or_audio_part_is_refused_as_such(server):
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):
+        got = post(server, "/v1/chat/completions", {"model": SERVED_MODEL, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]})
+        assert got.status_code == 400 and got.json()["error"]["param"] == "messages"
+        assert f"a {part['type']!r} part: this server serves text models only" in got.json()["error"]["message"]
+
+
+def test_json_object_with_a_value_schema_applies_it(server):
+    """huggingface_hub's InferenceClient sends Text Generation Inference's form."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+              "additionalProperties": False}
+    got = post(server, "/v1/chat/completions", {
+        "model": SERVED_MODEL, "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 40,
+        "temperature": 0, "response_format": {"type": "json_object", "value": schema}}).json()
+    jsonschema.validate(json.loads(got["choices"][0]["message"]["content"]), schema)
+    refused = post(server, "/v1/chat/completions", {
+        "model": SERVED_MODEL, "messages": [{"role": "user", "content": "Where?"}],
+        "response_format": {"type": "text", "value": schema}})
+    assert refused.status_code == 400 and "value" in refused.json()["error"]["message"]
