@@ -60,7 +60,8 @@ class RequestHistograms:
         self.queue = histogram("vllm:request_queue_time_seconds", "Waiting in the queue, before its first step",
                                REQUEST_LATENCY_BUCKETS)
         self.inference = histogram("vllm:request_inference_time_seconds",
-                                   "From its first step to its last token (prefill and decode)", REQUEST_LATENCY_BUCKETS)
+                                   "From its first step to its last token (prefill and decode)",
+                                   REQUEST_LATENCY_BUCKETS)
         self.prefill = histogram("vllm:request_prefill_time_seconds", "From its first step to its first token",
                                  REQUEST_LATENCY_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds", "From its first token to its last",
@@ -124,7 +125,8 @@ class ServerMetrics:
         self.requests = RequestHistograms(registry, model_name, engine.max_model_len)
         # Counted by the scheduler; brought up to its total at each scrape.
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (sent back to the queue to be "
-                                   "recomputed, for want of KV blocks)", ["model_name"], registry=registry).labels(**label)
+                                   "recomputed, for want of KV blocks)", ["model_name"],
+                                   registry=registry).labels(**label)
         self.num_preemptions = 0
         self.engine = engine
         self.model_name = model_name
