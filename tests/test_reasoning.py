@@ -144,3 +144,55 @@ def test_the_openai_client_reads_the_reasoning(server):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == \
         message.model_extra["reasoning_content"]
     assert "".join(d.content or "" for d in chunks) == message.content
+
+
+# -- the Responses API: a reasoning item before the message --------------------------------
+
+
+def test_response_items_reasoning_then_message():
+    from minivllm.server.serving_responses import ResponseItems
+
+    text = "<think>ab</think>cd"
+    items = ResponseItems(None, QWEN3.splitter(OPEN_PROMPT))
+    for end in range(1, len(text) + 1):
+        items.update(text[:end], "stop" if end == len(text) else None)
+    items.close("stop")
+    reasoning, message = items.items
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "ab"}]
+    assert message["content"][0]["text"] == "cd" and reasoning["status"] == message["status"] == "completed"
+    kinds = [kind for kind, _ in items.events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+# A template that opens the reasoning itself (as Qwen3's thinking-only ones do): the tiny model
+# never closes it, so all it writes is reasoning.
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}",
+                                             "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+
+
+@pytest.fixture(scope="module")
+def opening_server(tmp_path_factory):
+    checkpoint = served_checkpoint(tmp_path_factory, "reasoning-open")
+    config = ServerConfig(api_key=SERVED_KEY, reasoning_parser="qwen3", chat_template=OPENING_TEMPLATE)
+    with threaded_server(checkpoint, config) as running:
+        yield running
+
+
+def test_responses_carry_a_reasoning_item(opening_server):
+    client = openai.OpenAI(base_url=opening_server.url + "/v1", api_key=SERVED_KEY)
+    chat_message = client.chat.completions.create(model=SERVED_MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=8, temperature=0).choices[0].message
+    assert chat_message.content is None and chat_message.model_extra["reasoning"]
+    whole = client.responses.create(model=SERVED_MODEL, input="Hi", max_output_tokens=8, temperature=0)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.content[0].text == chat_message.model_extra["reasoning"]
+    assert whole.status == "incomplete" and whole.output_text == ""
+    deltas, kinds = [], []
+    with client.responses.stream(model=SERVED_MODEL, input="Hi", max_output_tokens=8, temperature=0) as stream:
+        for ev in stream:
+            kinds.append(ev.type)
+            if ev.type == "response.reasoning_text.delta":
+                deltas.append(ev.delta)
+        final = stream.get_final_response()
+    assert "".join(deltas) == item.content[0].text == final.output[0].content[0].text
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.completed"]

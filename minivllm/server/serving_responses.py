@@ -2,14 +2,16 @@
 
 The request becomes a chat completion (``ResponsesRequest.chat_request``: ``instructions`` as
 a system message, then the input's messages, function calls and their outputs; the tools and
-``tool_choice`` as chat's), and the answer is reshaped into output items: a ``message``
-holding one ``output_text`` part for the text, and a ``function_call`` item per tool call
+``tool_choice`` as chat's), and the answer is reshaped into output items: with
+``--reasoning-parser``, a ``reasoning`` item first (``server.reasoning``); a ``message``
+holding one ``output_text`` part for the text; and a ``function_call`` item per tool call
 (read from the text as chat reads it, ``server.tools.ToolAnswer``). ``usage`` counts input and
 output tokens, and ``status`` is "incomplete" when ``max_output_tokens`` cut it short.
 
 Streamed, it is OpenAI's event sequence: ``response.created``, ``response.in_progress``, then
-per item ``response.output_item.added``, its deltas (``response.output_text.delta`` inside a
-``content_part``, or ``response.function_call_arguments.delta``), their ``.done`` events and
+per item ``response.output_item.added``, its deltas (``response.reasoning_text.delta``,
+``response.output_text.delta`` inside a ``content_part``, or
+``response.function_call_arguments.delta``), their ``.done`` events and
 ``response.output_item.done``; last ``response.completed`` (whose response's status may be
 "incomplete"). Each event is named on an ``event:`` line as OpenAI's and vLLM's are. A whole
 answer is built by the same ``ResponseItems`` from the final output, so both carry the same
@@ -25,6 +27,7 @@ from fastapi.responses import Response
 from minivllm.outputs import RequestOutput
 from minivllm.server.async_engine import EngineDeadError, RequestFailedError
 from minivllm.server.protocol import ResponsesRequest, now
+from minivllm.server.reasoning import ReasoningSplitter, reasoning_parser
 from minivllm.server.serving_engine import OpenAIServingGeneration
 from minivllm.server.streaming import EventStream, final_outputs, merged
 from minivllm.server.tools import ToolAnswer, tool_plan
@@ -50,7 +53,8 @@ class OpenAIServingResponses(OpenAIServingGeneration):
                  "text": {"format": (body.text or {}).get("format", {"type": "text"})},
                  "metadata": body.metadata or {}, "error": None, "incomplete_details": None, "user": body.user}
         answer = ToolAnswer(plan, self.config.tool_call_parser) if plan is not None and plan.mode != "none" else None
-        items = ResponseItems(answer)
+        parser = reasoning_parser(self.config.reasoning_parser)
+        items = ResponseItems(answer, parser.splitter(text) if parser is not None else None)
         if body.stream:
             return EventStream(response_events(outputs, shell, items))
         finals = await final_outputs(outputs, request)
@@ -75,11 +79,16 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 class ResponseItems:
     """The output items of one response as its text grows, and the events that tell a
-    stream about them (``events``, taken by the stream as they come). ``answer``: how the
-    text splits into content and tool calls (None: no tools, all of it is content)."""
+    stream about them (``events``, taken by the stream as they come). ``splitter``: how the
+    reasoning, if any, is told from the rest (``--reasoning-parser``; it becomes a
+    ``reasoning`` item first); ``answer``: how the rest splits into content and tool calls
+    (None: no tools, all of it is content)."""
 
-    def __init__(self, answer: ToolAnswer | None):
+    def __init__(self, answer: ToolAnswer | None, splitter: ReasoningSplitter | None = None):
         self.answer = answer
+        self.splitter = splitter
+        self.reasoning: dict | None = None  # the reasoning item open now (its text is self.thought)
+        self.thought = ""
         self.items: list[dict] = []  # in output order, open or done
         self.events: list[tuple[str, dict]] = []
         self.message: dict | None = None  # the message item open now (its text is self.text)
@@ -89,6 +98,11 @@ class ResponseItems:
 
     def update(self, text: str, reason: str | None) -> None:
         """The output's text is now ``text``."""
+        if self.splitter is not None:
+            thought, _ = self.splitter.feed(text, reason is not None)
+            if thought:
+                self._reason(thought)
+            text = self.splitter.content
         if self.answer is None:
             delta = {"content": text[self.sent:]}
             self.sent = len(text)
@@ -103,7 +117,28 @@ class ResponseItems:
         return {"item_id": item_id, "output_index": next(i for i, item in enumerate(self.items)
                                                           if item["id"] == item_id)}
 
+    def _reason(self, delta: str) -> None:
+        if self.reasoning is None:
+            self.reasoning = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
+                              "status": "in_progress"}
+            self.items.append(self.reasoning)
+            self.events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                                "item": dict(self.reasoning)}))
+        self.thought += delta
+        self.events.append(("response.reasoning_text.delta", {**self._where(self.reasoning["id"]),
+                                                               "content_index": 0, "delta": delta}))
+
+    def _close_reasoning(self, status: str) -> None:
+        if self.reasoning is None or self.reasoning["status"] != "in_progress":
+            return
+        where = self._where(self.reasoning["id"])
+        self.reasoning.update(status=status, content=[{"type": "reasoning_text", "text": self.thought}])
+        self.events += [("response.reasoning_text.done", {**where, "content_index": 0, "text": self.thought}),
+                        ("response.output_item.done", {"output_index": where["output_index"],
+                                                        "item": dict(self.reasoning)})]
+
     def _text(self, delta: str) -> None:
+        self._close_reasoning("completed")
         if self.message is None:
             self.message = message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
             self.items.append(self.message)
@@ -123,6 +158,7 @@ class ResponseItems:
         function = call.get("function", {})
         item = self.calls.get(call["index"])
         if item is None:
+            self._close_reasoning("completed")
             self._close_message("completed")
             item = self.calls[call["index"]] = call_item(f"fc_{uuid.uuid4().hex}", call["id"], function["name"], "",
                                                          "in_progress")
@@ -151,6 +187,7 @@ class ResponseItems:
         status = "incomplete" if reason == "length" else "completed"
         if not self.items:  # (nothing written: an empty message, as OpenAI's answer has one)
             self._text("")
+        self._close_reasoning(status)
         self._close_message(status)
         for item in self.calls.values():
             if item["status"] == "in_progress":
