@@ -196,3 +196,18 @@ def test_responses_carry_a_reasoning_item(opening_server):
         final = stream.get_final_response()
     assert "".join(deltas) == item.content[0].text == final.output[0].content[0].text
     assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.completed"]
+
+
+def test_reasoning_sent_back_reaches_the_template_as_reasoning_content():
+    """A client sends the assistant's reasoning back under either name; Qwen3's template reads
+    it as reasoning_content (and ignored_fields no longer logs it)."""
+    from minivllm.server.protocol import ChatCompletionRequest, ignored_fields, parse_request
+    from minivllm.server.tools import template_messages
+
+    for name in ("reasoning", "reasoning_content"):
+        body = parse_request(json.dumps({"messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", name: "greet back"},
+            {"role": "user", "content": "Bye"}]}).encode(), ChatCompletionRequest)
+        assert ignored_fields(body) == []
+        assert template_messages(body.messages)[1] == {"role": "assistant", "content": "Hello",
+                                                       "reasoning_content": "greet back"}

@@ -222,6 +222,11 @@ class ChatMessage(Lenient):
     # an assistant's calls, sent back with the results
     tool_calls: "Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None" = None
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning sent back (vLLM's name, and its older one): handed to the
+    # template as reasoning_content, which Qwen3's renders for the turns after the last
+    # user message and drops before it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -183,7 +183,8 @@ class OpenAIServing:
         # What the template writes into the prompt: the messages' text, their calls' arguments
         # and the tools' descriptions (a template that renders tools prints their JSON).
         self.check_chars(sum(len(m["content"]) + len(m.get("tool_calls") and json.dumps(m["tool_calls"]) or "")
-                             for m in messages) + (len(json.dumps(tools)) if tools else 0), "messages")
+                             + len(m.get("reasoning_content", "")) for m in messages)
+                         + (len(json.dumps(tools)) if tools else 0), "messages")
         extra = {"tools": tools} if tools else {}
         try:
             # The template and the tokenizer in a worker thread, as for a text prompt.

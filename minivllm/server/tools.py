@@ -108,6 +108,9 @@ def template_messages(messages) -> list[dict]:
             message["name"] = m.name
         if m.tool_calls:
             message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None and m.role == "assistant":
+            message["reasoning_content"] = reasoning
         out.append(message)
     return out
 
