@@ -1,6 +1,7 @@
 """/metrics carries vLLM's per-request families under vLLM's names and buckets: end-to-end
 latency, queue, prefill, decode and inference time, time per output token, prompt and
-generation token counts, the n and max_tokens parameters, and preemptions."""
+generation token counts (and the longest completion's), the n and max_tokens parameters, and
+preemptions."""
 import asyncio
 
 import httpx
@@ -43,10 +44,11 @@ def test_a_finished_request_is_in_every_family(server):
     for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "request_inference_time_seconds",
                  "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
-                 "request_params_n", "request_params_max_tokens"):
+                 "request_params_n", "request_params_max_tokens", "request_max_num_generation_tokens"):
         assert sample(after, f"vllm:{name}_count") - sample(before, f"vllm:{name}_count") == 1, name
     grew = lambda name: sample(after, name) - sample(before, name)  # noqa: E731
     assert grew("vllm:request_generation_tokens_sum") == 12  # n=2 completions of 6 tokens
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 6
     assert grew("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert grew("vllm:request_params_n_sum") == 2 and grew("vllm:request_params_max_tokens_sum") == 6
     # The phases add up: inference is prefill then decode, and all of it within the end to end.
