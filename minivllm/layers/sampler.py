@@ -81,13 +81,13 @@ class SampledTokens:
     copy to the host, queued right behind the sampling, is read by ``to_host``, which waits
     for this step's work only."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: tuple | None, ks: list[int | None],
-                 sampled_logprobs: torch.Tensor | None = None):
+    def __init__(self, token_ids: torch.Tensor, logprobs: tuple | None, ks: list[int | None]):
         self.token_ids = token_ids  # [rows] on the device
         self.ks = ks  # per row: how many top log-probs it wants, or None
         self._done: SamplerOutput | None = None
-        self._has_sampled_logprobs = sampled_logprobs is not None  # [rows] float32, copied first if given
-        parts = (token_ids, *((sampled_logprobs,) if sampled_logprobs is not None else ()), *(logprobs or ()))
+        # ``logprobs``: the sampled tokens' log-probabilities [rows], then, when a row wants
+        # its top k, their ranks, the top ids and their log-probabilities; or None.
+        parts = (token_ids, *(logprobs or ()))
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
             for host, dev in zip(self._host, parts):
@@ -112,15 +112,14 @@ class SampledTokens:
             if self._ready is not None:
                 self._ready.synchronize()
             token_list = self._host[0].tolist()
-            sampled = self._host[1].tolist() if self._has_sampled_logprobs else []
+            chosen = self._host[1].tolist() if len(self._host) > 1 else []
             logprobs: list = [None] * len(token_list)
-            if len(self._host) > 1 + self._has_sampled_logprobs:
-                chosen, rank, top_ids, top_values = (t.tolist() for t in self._host[1 + self._has_sampled_logprobs:])
-                sampled = sampled or chosen
+            if len(self._host) > 2:
+                rank, top_ids, top_values = (t.tolist() for t in self._host[2:])
                 for row, k in enumerate(self.ks):
                     if k is not None:
                         logprobs[row] = (chosen[row], rank[row], top_ids[row][:k], top_values[row][:k])
-            self._done = SamplerOutput(token_list, logprobs, sampled_logprobs=sampled)
+            self._done = SamplerOutput(token_list, logprobs, sampled_logprobs=chosen)
         return self._done
 
 
@@ -210,7 +209,8 @@ class Sampler:
         """The GPU's path for plain temperature sampling and greedy rows: one pass over the
         logits (ops.sampling.gumbel_argmax) instead of a float32 copy, a softmax, a tensor
         of noise and two argmaxes. A seeded row's noise seed comes from its own generator,
-        so its tokens do not depend on its neighbours in the batch."""
+        so its tokens do not depend on its neighbours in the batch. (One more read of the
+        logits, a log-sum-exp per row, gives the sampled tokens' log-probabilities.)"""
         device = logits.device
         greedy, temperature = rows_to_device([[float(p.greedy) for p in params],
                                               [1.0 if p.greedy else p.temperature for p in params]],
@@ -221,7 +221,7 @@ class Sampler:
                 seeds[row] = torch.randint(0, 2**62, (1,), generator=gen, device=device)
         tokens = gumbel_argmax(logits, temperature, greedy, seeds)
         chosen = sampled_logprob(logits, tokens, logits.float().logsumexp(dim=-1))
-        return SampledTokens(tokens, None, [None] * len(params), chosen)
+        return SampledTokens(tokens, (chosen,), [None] * len(params))
 
     def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
         if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
@@ -237,14 +237,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             tokens = self._draw_filtered(logits, tokens, params, generators)
-        logprobs = None
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
             top = raw_logprobs.topk(max(k or 0 for k in ks), dim=-1)
-            logprobs = (chosen, rank, top.indices, top.values)
-            return SampledTokens(tokens, logprobs, ks)
-        return SampledTokens(tokens, None, ks, sampled_logprob(raw, tokens, normaliser))
+            return SampledTokens(tokens, (chosen, rank, top.indices, top.values), ks)
+        return SampledTokens(tokens, (sampled_logprob(raw, tokens, normaliser),), ks)
 
     @staticmethod
     def _restrict(logits, params, banned, history, bitmask) -> torch.Tensor:
