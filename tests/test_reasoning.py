@@ -68,6 +68,7 @@ def test_message_fields():
     assert answer.fields({"content": "a"}, None, stream=False) == {"content": "a", "reasoning": None,
                                                                   "reasoning_content": None}
     assert answer.fields({"content": "a"}, "", stream=True) == {"content": "a"}
+    assert answer.fields({"content": ""}, "r", stream=True) == {"reasoning": "r", "reasoning_content": "r"}
 
 
 def test_unknown_parser_is_named():

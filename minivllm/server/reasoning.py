@@ -149,10 +149,15 @@ class ReasoningAnswer:
     @staticmethod
     def fields(message: dict, reasoning: str | None, stream: bool) -> dict:
         """``message`` (or a stream's delta) with the reasoning under both its names. A
-        delta carries them only when there is new reasoning; a message always, null when
-        the model did not reason (and its content is null when it only reasoned)."""
+        delta carries them only when there is new reasoning (and then no empty content); a
+        message always, null when the model did not reason (and its content is null when it
+        only reasoned)."""
         if stream:
-            return {**message, "reasoning": reasoning, "reasoning_content": reasoning} if reasoning else message
+            if not reasoning:
+                return message
+            if message.get("content") == "":  # (a delta of reasoning alone, as vLLM's)
+                message = {k: v for k, v in message.items() if k != "content"}
+            return {**message, "reasoning": reasoning, "reasoning_content": reasoning}
         if reasoning is not None and message.get("content") == "":
             message = {**message, "content": None}
         return {**message, "reasoning": reasoning, "reasoning_content": reasoning}
