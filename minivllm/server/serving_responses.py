@@ -35,6 +35,7 @@ from minivllm.server.tools import ToolAnswer, tool_plan
 
 class OpenAIServingResponses(OpenAIServingGeneration):
     async def create_response(self, body: ResponsesRequest, request: Request):
+        """The answer to a parsed Responses request: a dict, or an event stream with ``stream: true``."""
         chat = body.chat_request()
         params = self.sampling_params(chat)
         ids, text = self.truncate(*await self.encode_messages(chat), params)
@@ -65,11 +66,9 @@ class OpenAIServingResponses(OpenAIServingGeneration):
         return finished(shell, items, finals[0])
 
 
-def message_item(message_id: str, text: str, status: str) -> dict:
-    """A message output item; it holds its text part once the text is complete."""
-    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
-                                                   "logprobs": []}]
-    return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
+def message_item(message_id: str) -> dict:
+    """A message output item as it opens; it holds its text part once the text is complete."""
+    return {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -140,7 +139,7 @@ class ResponseItems:
     def _text(self, delta: str) -> None:
         self._close_reasoning("completed")
         if self.message is None:
-            self.message = message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+            self.message = message_item(f"msg_{uuid.uuid4().hex}")
             self.items.append(self.message)
             self.text = ""
             self.events.append(("response.output_item.added", {"output_index": len(self.items) - 1,
