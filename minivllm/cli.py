@@ -39,7 +39,7 @@ VLLM_FLAGS = {  # flag name -> (its argparse keywords, a short alias or None)
     "enable_lora": ({"action": "store_true"}, None),
     "tokenizer": ({}, None), "revision": ({}, None), "quantization": ({}, "-q"), "kv_cache_dtype": ({}, None),
     "tokenizer_mode": ({}, None), "download_dir": ({}, None), "load_format": ({}, None),
-    "reasoning_parser": ({}, None), "lora_modules": ({"nargs": "+"}, None),
+    "lora_modules": ({"nargs": "+"}, None),
     "limit_mm_per_prompt": ({}, None), "mm_processor_kwargs": ({}, None),
     "swap_space": ({"type": float}, None), "cpu_offload_gb": ({"type": float}, None),
     "pipeline_parallel_size": ({"type": int}, "-pp"), "data_parallel_size": ({"type": int}, "-dp"),
@@ -94,6 +94,9 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="log no line per request (uvicorn's access log)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"], help="default: info")
+    group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="a reasoning model's <think> text goes to the answer's reasoning (and reasoning_content) "
+                            "field, apart from its content (default: it stays in the content)")
     for name, (kwargs, alias) in VLLM_FLAGS.items():
         flags = ["--" + name.replace("_", "-")] + ([alias] if alias else [])
         help_text = (f"accepted, changes nothing: {ACCEPTED_VLLM_ARGS[name]}" if name in ACCEPTED_VLLM_ARGS else
@@ -165,6 +168,7 @@ def server_config(args):
     config.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
     if getattr(args, "tool_call_parser", None) is not None:
         config.tool_call_parser = args.tool_call_parser
+    config.reasoning_parser = getattr(args, "reasoning_parser", None)
     if args.allowed_hosts is not None:
         config.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     elif args.host not in LOOPBACK_HOSTS:

@@ -15,9 +15,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    # The sum of the sampled tokens' log-probabilities, when SamplingParams.logprobs was given;
-    # else None, as in vLLM's V1 engine: the sampler computes no log-softmax over the
-    # vocabulary for a batch where no request wants log-probabilities.
+    # The sum of the sampled tokens' log-probabilities (under the model's distribution, before
+    # temperature and filters), whether or not SamplingParams.logprobs was given: a script
+    # that ranks completions by it needs no logprobs. Without logprobs it costs the sampler
+    # one log-sum-exp per row and a gather, not a log-softmax over the vocabulary.
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running

@@ -13,7 +13,7 @@ from shared import SERVED_KEY, SERVED_MODEL, served_checkpoint, threaded_server
 AUTH = {"Authorization": f"Bearer {SERVED_KEY}"}
 # vLLM's quick-start and tool-calling command line for Qwen3, pointed at a local folder.
 VLLM_LINE = ["serve", "some/model", "-tp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-             "--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--enable-chunked-prefill",
+             "--reasoning-parser", "qwen3", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--enable-chunked-prefill",
              "--max-logprobs", "-1", "--seed", "7", "--uvicorn-log-level", "warning", "--kv-cache-dtype", "auto",
              "--quantization", "none", "--served-model-name", "qwen", "qwen3", "--allowed-origins", '["*"]',
              "--generation-config", "vllm", "--max-model-len", "256", "--gpu-memory-utilization", "0.8",
@@ -28,6 +28,7 @@ def test_a_vllm_command_line_parses(caplog):
     config = server_config(args)
     assert config.allowed_origins == ["*"] and config.max_logprobs == -1
     assert config.model_aliases == ["qwen3"] and config.model_root == "some/model"
+    assert config.reasoning_parser == "qwen3"
     with caplog.at_level(logging.INFO, logger="minivllm.engine.engine_args"):
         given = checked_engine_args(args)
     assert given == {"tensor_parallel_size": 1, "seed": 7, "generation_config": "vllm", "max_model_len": 256,
@@ -47,7 +48,7 @@ def test_comma_separated_origins_still_work():
     (["--limit-mm-per-prompt", '{"image": 1}'], ["limit_mm_per_prompt", "text models only"]),
     (["--kv-cache-dtype", "fp8"], ["kv_cache_dtype", "not supported yet"]),
     (["--quantization", "awq"], ["quantization", "not supported yet"]),
-    (["--reasoning-parser", "qwen3"], ["reasoning_parser", "not supported yet"]),
+    (["--reasoning-parser", "qwen"], ["--reasoning-parser", "qwen3", "deepseek_r1"]),
     (["--max-num-seqz", "4", "--enable-prefix-cashing"], ["did you mean --max-num-seqs?",
                                                          "did you mean --enable-prefix-caching?"]),
     (["--max-logprobs", "50"], ["max_logprobs=50"]),
@@ -213,3 +214,30 @@ def test_the_bundled_models_root_is_its_folder():
     from minivllm.engine.engine_args import BUNDLED_MODEL
 
     assert server_config(parse_args(build_parser(), ["serve"])).model_root == str(BUNDLED_MODEL)
+
+
+def test_an_image_or_audio_part_is_refused_as_such(server):
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):
+        got = post(server, "/v1/chat/completions", {"model": SERVED_MODEL, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]})
+        assert got.status_code == 400 and got.json()["error"]["param"] == "messages"
+        assert f"a {part['type']!r} part: this server serves text models only" in got.json()["error"]["message"]
+
+
+def test_json_object_with_a_value_schema_applies_it(server):
+    """huggingface_hub's InferenceClient sends Text Generation Inference's form."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+              "additionalProperties": False}
+    got = post(server, "/v1/chat/completions", {
+        "model": SERVED_MODEL, "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 40,
+        "temperature": 0, "response_format": {"type": "json_object", "value": schema}}).json()
+    jsonschema.validate(json.loads(got["choices"][0]["message"]["content"]), schema)
+    refused = post(server, "/v1/chat/completions", {
+        "model": SERVED_MODEL, "messages": [{"role": "user", "content": "Where?"}],
+        "response_format": {"type": "text", "value": schema}})
+    assert refused.status_code == 400 and "value" in refused.json()["error"]["message"]

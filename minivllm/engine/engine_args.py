@@ -35,6 +35,8 @@ ACCEPTED_VLLM_ARGS = {
     "tokenizer_mode": "the tokenizer is the checkpoint's fast (tokenizers) one",
     "download_dir": "a hub model is read from the Hugging Face cache",
     "load_format": "weights are read from the checkpoint's safetensors files",
+    "reasoning_parser": "offline, the text keeps the model's reasoning; minivllm serve --reasoning-parser splits it "
+                        "from the answer",
 }
 REFUSED_VLLM_ARGS = {
     "enable_lora": "LoRA adapters are not supported: merge the adapter into the weights and serve the merged folder",
@@ -45,7 +47,6 @@ REFUSED_VLLM_ARGS = {
     "mm_processor_kwargs": "minivllm serves text models only: no image, audio or video inputs",
     "cpu_offload_gb": "weights stay on the device: use a smaller model or more GPUs (tensor_parallel_size)",
     "data_parallel_size": "one engine per process: start several servers behind a load balancer instead",
-    "reasoning_parser": "not supported yet: the reasoning text stays in the content",
 }
 ALL_KNOWN_ARGS = sorted(ENGINE_ARGS | {"model", "dtype", "device", "tokenizer", "revision", "quantization",
                                        "kv_cache_dtype", "enable_chunked_prefill", "pipeline_parallel_size"}

@@ -117,19 +117,16 @@ class OutputProcessor:
         num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens + position  # this step's token not counted yet
         return request.banned if num_outputs < seq.sampling_params.min_tokens else []
 
-    def append_token(self, request: RequestState, token: int, logprobs) -> str | None:
-        """Give the request its new token; return why it finishes ("stop", "length"), or None."""
+    def append_token(self, request: RequestState, token: int, logprobs,
+                     sampled_logprob: float | None = None) -> str | None:
+        """Give the request its new token (and its log-probability, ``sampled_logprob``, to
+        cumulative_logprob); return why it finishes ("stop", "length"), or None."""
         seq, params = request.seq, request.seq.sampling_params
         seq.token_ids.append(token)
         request.metrics.token_arrived()
+        request.cumulative_logprob += sampled_logprob or 0.0
         if logprobs is not None:
-            chosen, rank, top_ids, top_values = logprobs
-            request.cumulative_logprob += chosen
-            entry = {tid: Logprob(v, rank=r + 1, decoded_token=self._decode_one(tid))
-                     for r, (tid, v) in enumerate(zip(top_ids, top_values))}
-            if token not in entry:
-                entry[token] = Logprob(chosen, rank=rank, decoded_token=self._decode_one(token))
-            request.logprobs.append(entry)
+            request.logprobs.append(self._logprob_entry(token, *logprobs))
         # Stop conditions apply once min_tokens tokens exist (as in vLLM). EOS and stop ids
         # cannot be among the first min_tokens anyway: the sampler was not allowed them.
         past_min = seq.num_output_tokens >= params.min_tokens
@@ -155,6 +152,15 @@ class OutputProcessor:
                 seq.num_tokens >= self.max_model_len):
             return "length"
         return None
+
+    def _logprob_entry(self, token: int, chosen: float, rank: int, top_ids: list[int],
+                       top_values: list[float]) -> dict[int, Logprob]:
+        """One step's logprobs: the top tokens, and the chosen one if it ranked below them."""
+        entry = {tid: Logprob(v, rank=r + 1, decoded_token=self._decode_one(tid))
+                 for r, (tid, v) in enumerate(zip(top_ids, top_values))}
+        if token not in entry:
+            entry[token] = Logprob(chosen, rank=rank, decoded_token=self._decode_one(token))
+        return entry
 
     def append_prompt_logprobs(self, request: RequestState, first: int, rows: list) -> None:
         """Record the scores of prompt tokens first + 1, first + 2, ... (one row each: the
@@ -239,7 +245,7 @@ class OutputProcessor:
             index=seq.index,
             text=request.text[: self.shown_text_len(request)],
             token_ids=seq.output_token_ids,  # a slice: already a copy
-            cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
+            cumulative_logprob=request.cumulative_logprob,
             logprobs=list(request.logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=request.stop_reason,

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages in, through the chat template; the answer's text, or
-its tool calls when the request offers tools (``server.tools``), streamed or whole."""
+its tool calls when the request offers tools (``server.tools``), streamed or whole; with
+``--reasoning-parser``, the model's reasoning apart from its answer (``server.reasoning``)."""
 import functools
 import uuid
 
@@ -7,6 +8,7 @@ from fastapi import Request
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server.protocol import ChatCompletionRequest, chat_logprobs, now, prompt_logprobs
+from minivllm.server.reasoning import ReasoningAnswer, reasoning_parser
 from minivllm.server.serving_engine import OpenAIServingGeneration
 from minivllm.server.streaming import EventStream, stream_events
 from minivllm.server.tools import ToolAnswer, tool_plan
@@ -29,7 +31,9 @@ class OpenAIServingChat(OpenAIServingGeneration):
         outputs = self.start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed
-        choice = functools.partial(self.choice, plan, answers, params.logprobs, body)
+        parser = reasoning_parser(self.config.reasoning_parser)
+        reasoning = ReasoningAnswer(parser, text) if parser is not None else None
+        choice = functools.partial(self.choice, plan, answers, reasoning, params.logprobs, body)
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}
             first = [{"index": j, "delta": {"role": "assistant", "content": echoed(body, plan)}, "logprobs": None,
@@ -54,18 +58,24 @@ class OpenAIServingChat(OpenAIServingGeneration):
 
         return extra
 
-    def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], k: int | None, body, index: int,
+    def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], reasoning: ReasoningAnswer | None,
+               k: int | None, body, index: int,
                output: RequestOutput, c: CompletionOutput, sent_text: int = 0, sent_tokens: int = 0,
                stream: bool = False) -> dict:
         """One choice of the answer (a message), or of a stream's chunk (a delta: what is new
-        since ``sent_text`` characters and ``sent_tokens`` tokens were sent)."""
+        since ``sent_text`` characters and ``sent_tokens`` tokens were sent). With a reasoning
+        parser, the reasoning goes apart from the content (``reasoning_fields``)."""
         reason = c.finish_reason
+        text, new_text, thought = c.text, c.text[sent_text:], None
+        if reasoning is not None:
+            text, new_text, thought = reasoning.split(index, c.text, reason is not None, stream)
         if plan is not None:
             answer = answers.setdefault(index, ToolAnswer(plan, self.config.tool_call_parser))
-            message, reason = answer.delta(c.text, reason) if stream else answer.message(c.text, reason)
+            message, reason = answer.delta(text, reason) if stream else answer.message(text, reason)
         else:
-            message = {"content": c.text[sent_text:]} if stream else {"role": "assistant",
-                                                                      "content": echoed(body, plan) + c.text}
+            message = {"content": new_text} if stream else {"role": "assistant", "content": echoed(body, plan) + text}
+        if reasoning is not None:
+            message = reasoning.fields(message, thought, stream)
         answer = {"index": index, "delta" if stream else "message": message,
                   "logprobs": chat_logprobs(c, k, sent_tokens, body.return_tokens_as_token_ids) if k is not None
                   else None, "finish_reason": reason, "stop_reason": c.stop_reason}

@@ -27,6 +27,7 @@ from minivllm.server.grammar_gate import CompileGate
 from minivllm.server.metrics import ServerMetrics
 from minivllm.server.protocol import (APIError, apply_defaults, ignored_fields, parse_request, to_sampling_params,
                                       usage, with_extensions)
+from minivllm.server.reasoning import reasoning_parser
 from minivllm.server.streaming import final_outputs
 from minivllm.server.tools import TOOL_PARSERS, structured_outputs, template_messages
 from minivllm.tokenizer import encode_chat, max_token_chars
@@ -67,6 +68,9 @@ class ServerConfig:
     # unless the operator says every client is trusted (as vLLM's flag of the same name).
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # how tool_choice=auto reads the model's calls (structured.tools.TOOL_PARSERS)
+    # How a reasoning model's <think> text is told from its answer (server.reasoning.REASONING_PARSERS);
+    # None: the reasoning stays in the content.
+    reasoning_parser: str | None = None
     # Top log-probabilities a request may ask for per token (vLLM's --max-logprobs); -1 lets
     # logprobs=-1 ask for the whole vocabulary, bounded still by max_logprob_entries.
     max_logprobs: int = MAX_LOGPROBS
@@ -85,6 +89,7 @@ class ServerConfig:
         check_max_logprobs(self.max_logprobs)
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: known parsers are {', '.join(TOOL_PARSERS)}")
+        reasoning_parser(self.reasoning_parser)  # a name it does not know: a ValueError naming the known ones
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -178,7 +183,8 @@ class OpenAIServing:
         # What the template writes into the prompt: the messages' text, their calls' arguments
         # and the tools' descriptions (a template that renders tools prints their JSON).
         self.check_chars(sum(len(m["content"]) + len(m.get("tool_calls") and json.dumps(m["tool_calls"]) or "")
-                             for m in messages) + (len(json.dumps(tools)) if tools else 0), "messages")
+                             + len(m.get("reasoning_content", "")) for m in messages)
+                         + (len(json.dumps(tools)) if tools else 0), "messages")
         extra = {"tools": tools} if tools else {}
         try:
             # The template and the tokenizer in a worker thread, as for a text prompt.
@@ -339,7 +345,7 @@ class OpenAIServingGeneration(OpenAIServing):
         request.state.request_id = request_id  # what the X-Request-Id header says, unless the client named it
         arrival = time.perf_counter()
         ids = [request_id] if len(generate_args) == 1 else [f"{request_id}-{i}" for i in range(len(generate_args))]
-        return [self.metrics.observe(self.engine.generate(prompt_ids, params, rid, text), arrival)
+        return [self.metrics.observe(self.engine.generate(prompt_ids, params, rid, text), arrival, params)
                 for rid, (prompt_ids, text) in zip(ids, generate_args)]
 
     async def respond(self, outputs, request: Request, head: dict, choice, n: int, extra=None):

@@ -4,11 +4,12 @@ What a request's ``response_format``, ``structured_outputs`` (or vLLM's older ``
 fields), ``tools`` and ``tool_choice`` ask for becomes one ``StructuredOutputsParams`` (or
 none), and what the model wrote becomes OpenAI's answer:
 
-- ``response_format``: ``json_object`` is any JSON object; ``json_schema`` follows its
-  schema (always: ``strict`` or not, the grammar allows nothing else).
+- ``response_format``: ``json_object`` is any JSON object (or, with Text Generation
+  Inference's ``value``, one that follows that schema); ``json_schema`` follows its schema
+  (always: ``strict`` or not, the grammar allows nothing else).
 - ``tools`` and ``tool_choice``: as ``minivllm.structured.tools`` plans them (shared with the
   offline ``LLM.chat``). A named or required choice comes back as tool calls (finish_reason
-  ``tool_calls``); with ``auto`` the model's own syntax is parsed from its text by the
+  ``tool_calls`` for required, ``stop`` for named, as vLLM's); with ``auto`` the model's own syntax is parsed from its text by the
   parser of its family (``--tool-call-parser``), and streamed as tool-call deltas, one per
   call as each call closes, the text around them as content.
 """
@@ -57,6 +58,8 @@ def structured_outputs(body) -> tuple[StructuredOutputsParams | None, str | None
     try:
         if source == "response_format":
             if rf.type == "json_object":
+                if rf.value is not None:  # (TGI's form: a schema for the object)
+                    return StructuredOutputsParams(json=rf.value), source
                 return StructuredOutputsParams(json_object=True), source
             return StructuredOutputsParams(json=rf.json_schema.schema_), source
         if source == "structured_outputs":
@@ -105,6 +108,9 @@ def template_messages(messages) -> list[dict]:
             message["name"] = m.name
         if m.tool_calls:
             message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None and m.role == "assistant":
+            message["reasoning_content"] = reasoning
         out.append(message)
     return out
 
@@ -130,7 +136,9 @@ class ToolAnswer:
         return content, calls
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
-        return "tool_calls" if reason == "stop" and calls else reason
+        """"tool_calls" for calls the model chose to make (auto, required); a named call was the
+        client's choice, and ends "stop" as vLLM ends it."""
+        return "tool_calls" if reason == "stop" and calls and self.plan.mode != "named" else reason
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         content, calls = parse_tool_calls(text, self.plan, self.parser_name)
