@@ -16,9 +16,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     # The sum of the sampled tokens' log-probabilities (under the model's distribution, before
-    # temperature and filters), whether or not SamplingParams.logprobs was given: a script
-    # that ranks completions by it needs no logprobs. Without logprobs it costs the sampler
-    # one log-sum-exp per row and a gather, not a log-softmax over the vocabulary.
+    # temperature and filters) when SamplingParams.logprobs was given (0 is enough); else
+    # None, as in vLLM's V1 engine: a batch where no request wants log-probabilities pays no
+    # pass over the vocabulary for them.
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running

@@ -339,7 +339,7 @@ def test_logprobs_match_transformers(llm, hf_model, params):
 
 def test_no_logprobs_unless_asked(llm):
     out = one(llm, PROMPT, SamplingParams(temperature=0, max_tokens=3))
-    assert out.logprobs is None  # (cumulative_logprob is always filled: tests/test_vllm_dropin.py)
+    assert out.logprobs is None and out.cumulative_logprob is None
 
 
 # -- validation -------------------------------------------------------------------------

@@ -83,17 +83,17 @@ def test_whole_vocabulary_logprobs(llm):
 @pytest.mark.parametrize("fields", [dict(temperature=0), dict(temperature=0.8, seed=5, top_k=20),
                                     dict(temperature=0, logit_bias={7: 3.0}, min_tokens=3)])
 def test_cumulative_logprob_without_logprobs(llm, fields):
-    """Filled as vLLM's CompletionOutput has it, whether logprobs were asked for or not, and
-    equal to the sum of the sampled tokens' log-probabilities (the model's, before any
-    processing) that logprobs=0 reports."""
+    """As vLLM's V1 engine fills it: None unless logprobs were asked for (the sampler then
+    makes no pass over the vocabulary for them); with logprobs=0, the sum of the sampled
+    tokens' log-probabilities (the model's, before any processing)."""
     params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
     [plain] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
     [scored] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0, **fields),
                             use_tqdm=False)
     plain, scored = plain.outputs[0], scored.outputs[0]
-    assert plain.logprobs is None and plain.token_ids == scored.token_ids
+    assert plain.logprobs is None and plain.cumulative_logprob is None and plain.token_ids == scored.token_ids
     total = sum(entry[t].logprob for t, entry in zip(scored.token_ids, scored.logprobs))
-    assert plain.cumulative_logprob == pytest.approx(total, abs=1e-4) and plain.cumulative_logprob < 0
+    assert scored.cumulative_logprob == pytest.approx(total, abs=1e-4) and scored.cumulative_logprob < 0
 
 
 def test_whole_vocabulary_needs_max_logprobs_minus_one():

@@ -245,7 +245,7 @@ class OutputProcessor:
             index=seq.index,
             text=request.text[: self.shown_text_len(request)],
             token_ids=seq.output_token_ids,  # a slice: already a copy
-            cumulative_logprob=request.cumulative_logprob,
+            cumulative_logprob=request.cumulative_logprob if want_logprobs else None,
             logprobs=list(request.logprobs) if want_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=request.stop_reason,

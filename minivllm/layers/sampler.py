@@ -85,8 +85,8 @@ class SampledTokens:
         self.token_ids = token_ids  # [rows] on the device
         self.ks = ks  # per row: how many top log-probs it wants, or None
         self._done: SamplerOutput | None = None
-        # ``logprobs``: the sampled tokens' log-probabilities [rows], then, when a row wants
-        # its top k, their ranks, the top ids and their log-probabilities; or None.
+        # ``logprobs``: when a row wants them, the sampled tokens' log-probabilities [rows],
+        # their ranks, the top ids and their log-probabilities; or None.
         parts = (token_ids, *(logprobs or ()))
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
@@ -121,13 +121,6 @@ class SampledTokens:
                         logprobs[row] = (chosen[row], rank[row], top_ids[row][:k], top_values[row][:k])
             self._done = SamplerOutput(token_list, logprobs, sampled_logprobs=chosen)
         return self._done
-
-
-def sampled_logprob(logits: torch.Tensor, tokens: torch.Tensor, normaliser: torch.Tensor) -> torch.Tensor:
-    """Each row's sampled token's log-probability under the model's distribution: one gather
-    per row, less the row's log-sum-exp (``normaliser``, [rows] float32). The masks applied
-    to ``logits`` since touch only tokens the row could not draw, never the sampled one."""
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() - normaliser
 
 
 def rows_to_device(values: list[list[float]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -209,8 +202,7 @@ class Sampler:
         """The GPU's path for plain temperature sampling and greedy rows: one pass over the
         logits (ops.sampling.gumbel_argmax) instead of a float32 copy, a softmax, a tensor
         of noise and two argmaxes. A seeded row's noise seed comes from its own generator,
-        so its tokens do not depend on its neighbours in the batch. (One more read of the
-        logits, a log-sum-exp per row, gives the sampled tokens' log-probabilities.)"""
+        so its tokens do not depend on its neighbours in the batch."""
         device = logits.device
         greedy, temperature = rows_to_device([[float(p.greedy) for p in params],
                                               [1.0 if p.greedy else p.temperature for p in params]],
@@ -220,8 +212,7 @@ class Sampler:
             if gen is not None:
                 seeds[row] = torch.randint(0, 2**62, (1,), generator=gen, device=device)
         tokens = gumbel_argmax(logits, temperature, greedy, seeds)
-        chosen = sampled_logprob(logits, tokens, logits.float().logsumexp(dim=-1))
-        return SampledTokens(tokens, (chosen,), [None] * len(params))
+        return SampledTokens(tokens, None, [None] * len(params))
 
     def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
         if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
@@ -230,9 +221,6 @@ class Sampler:
         ks = [p.logprobs for p in params]
         # Log-probabilities are reported as the model gave them, before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in ks) else None
-        # Without them, the sampled token's alone (cumulative_logprob): the row's normaliser,
-        # taken before the grammar's and the bans' masks, which write into ``logits``.
-        raw, normaliser = logits, (logits.logsumexp(dim=-1) if raw_logprobs is None else None)
         logits = self._restrict(logits, params, banned, history, bitmask)
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
@@ -242,7 +230,7 @@ class Sampler:
             rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
             top = raw_logprobs.topk(max(k or 0 for k in ks), dim=-1)
             return SampledTokens(tokens, (chosen, rank, top.indices, top.values), ks)
-        return SampledTokens(tokens, (sampled_logprob(raw, tokens, normaliser),), ks)
+        return SampledTokens(tokens, None, ks)
 
     @staticmethod
     def _restrict(logits, params, banned, history, bitmask) -> torch.Tensor:

@@ -183,7 +183,7 @@ class DeltaOutputProcessor(OutputProcessor):
             want_logprobs = seq.sampling_params.logprobs is not None
             completions.append((seq.index, seq.token_ids[seq.num_prompt_tokens + num_tokens:], r.text[num_chars:shown],
                                 r.logprobs[num_logprobs:] if want_logprobs else None,
-                                r.cumulative_logprob, seq.finish_reason, r.stop_reason))
+                                r.cumulative_logprob if want_logprobs else None, seq.finish_reason, r.stop_reason))
             sent[i] = (seq.num_output_tokens, shown, len(r.logprobs), seq.finish_reason)
         return (request_id, completions, first.seq.num_cached_tokens,
                 next((r.error for r in first.group if r.error is not None), None))
