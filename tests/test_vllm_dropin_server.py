@@ -45,7 +45,7 @@ def test_comma_separated_origins_still_work():
     (["--enable-lora"], ["enable_lora", "LoRA"]),
     (["-pp", "2"], ["pipeline_parallel_size", "tensor_parallel_size"]),
     (["--limit-mm-per-prompt", '{"image": 1}'], ["limit_mm_per_prompt", "text models only"]),
-    (["--kv-cache-dtype", "fp8"], ["kv_cache_dtype", "not supported yet"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["kv_cache_dtype", "must be one of"]),
     (["--quantization", "awq"], ["quantization", "not supported yet"]),
     (["--reasoning-parser", "qwen3"], ["reasoning_parser", "not supported yet"]),
     (["--max-num-seqz", "4", "--enable-prefix-cashing"], ["did you mean --max-num-seqs?",

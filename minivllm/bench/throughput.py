@@ -50,11 +50,15 @@ def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B,
     return folder
 
 
-def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2) -> dict:
-    """The floor time of the engine's actual steps (see the module docstring)."""
+def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2,
+                   kv_dtype_bytes: int | None = None) -> dict:
+    """The floor time of the engine's actual steps (see the module docstring). Weights are
+    read at ``dtype_bytes`` a parameter, keys and values at the KV cache's ``kv_dtype_bytes``
+    an element (default: the same; 1 for a float8 cache, whose floor is then that much lower)."""
+    kv_dtype_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     # BEGIN SOLUTION ch15 speed_of_light
     c = model_config
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_dtype_bytes
     # Matmul parameters touched per token: everything but the embedding lookup (the tied
     # head still multiplies by the full vocabulary matrix once per sampled token).
     embed = c.vocab_size * c.hidden_size
@@ -186,6 +190,8 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
                            "sequences": len(s.seqs)} for s in sorted(trace, key=lambda s: s.seconds, reverse=True)[:5]],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),
         "kv_blocks": llm.engine.runner.num_kv_blocks,
+        "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+        "_kv_dtype_bytes": llm.engine.runner.kv_cache.element_size(),
         "enforce_eager": enforce_eager,
         "async_scheduling": llm.engine.config.async_scheduling,
         # The step budget the engine resolved (its default depends on the device).
@@ -239,14 +245,20 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
 
 
 def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256,
-         profile_gpu: bool = True, engine_args: dict | None = None) -> dict:
+         profile_gpu: bool = True, engine_args: dict | None = None, kv_cache_dtype: str | None = None) -> dict:
+    """The workload on the engine (``engine_args``: EngineConfig fields; ``kv_cache_dtype``,
+    one of them, also names the report: throughput.json for the model's dtype,
+    throughput_kv_fp8.json for a float8 cache, so both can be measured and kept)."""
+    if kv_cache_dtype is not None:
+        engine_args = {**(engine_args or {}), "kv_cache_dtype": kv_cache_dtype}
     ceilings = measure_ceilings()
     prompts, output_lens = make_workload(num_requests)
     path = model_checkpoint()
     ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu, **(engine_args or {}))
     # Both runs have the same schedule (same lengths, no prefix hits), so the second run's
     # trace gives the floor of each.
-    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings)
+    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings,
+                         kv_dtype_bytes=ours.pop("_kv_dtype_bytes"))
     ours["speed_of_light"] = sol
     for run in ("first_run", "second_run"):
         ours[run]["percent_of_speed_of_light"] = 100 * sol["floor_seconds"] / ours[run]["seconds"]
@@ -267,4 +279,5 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
         report["speedup_vs_padded_generate"] = ours["output_tokens_per_s"] / baseline["padded_generate"]["output_tokens_per_s"]
     if baseline and "output_tokens_per_s" in baseline.get("generate_batch", {}):
         report["speedup_vs_generate_batch"] = ours["output_tokens_per_s"] / baseline["generate_batch"]["output_tokens_per_s"]
-    return save_report(report, out_dir, "throughput.json")
+    kv = ours["kv_cache_dtype"]
+    return save_report(report, out_dir, "throughput.json" if kv == "auto" else f"throughput_kv_{kv}.json")
