@@ -245,6 +245,74 @@ def test_short_prefill_kernel_fp8(heads, kv_heads, head_dim, block_size, num_spl
     check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window)
 
 
+# Compiles every kernel that reads or writes the cache for sm_90 with a float8 cache and bf16
+# queries, the step's keys and values bf16 (read through tensor descriptors by the prefill
+# kernel): the interpreter checks the arithmetic, not that the conversions and dots compile
+# for Hopper. Run without the interpreter, in a process of its own: the compiler needs no GPU.
+FP8_COMPILE_PROBE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from minivllm.kernels.paged_attention import _prefill_kernel, _decode_kernel, prefill_config, decode_config
+from minivllm.kernels.kv_store import _store_kv_kernel
+target = GPUTarget("cuda", 90, 32)
+def build(fn, signature, constexprs, opts):
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=target, options=opts)
+    return kernel.metadata.shared
+out = []
+head_dim, group = 128, 2
+# prefill: the default (NEW_KV: the bf16 step through tensor descriptors), FROM_SCRATCH, all gathered
+for extra in ({}, {"FROM_SCRATCH": True}, {"NEW_KV": False, "K_T": True}):
+    config = {**prefill_config(head_dim, group, True, None, 2), **extra}
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+           "cu_seqlens_ptr": "*i32", "scale": "fp32"}
+    sig.update({n: f"tensordesc<bf16[{config['BLOCK_N']},{head_dim}]>" for n in ("k_new", "v_new")})
+    sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs",
+                                   "stride_ch", "stride_bt", "window")})
+    ce = {"GROUP": group, "BLOCK_G": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "PRECISION": "tf32",
+          **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    out.append(["prefill", extra, build(_prefill_kernel, sig, ce, launch)])
+# decode and short prefill
+for decode, direct in ((True, True), (True, False), (False, False)):
+    config = decode_config(head_dim, 1)
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
+           "context_lens_ptr": "*i32", "cu_seqlens_ptr": "*i32", "part_out_ptr": "*bf16" if direct else "*fp32",
+           "part_lse_ptr": "*fp32", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_ptr": "*i64",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "scale": "fp32"}
+    sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt",
+                                   "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh", "stride_knt",
+                                   "stride_knh", "stride_vnt", "stride_vnh", "window")})
+    ce = {"GROUP": group, "BLOCK_G": 16 if decode else group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+          "BLOCK_N": config["BLOCK_N"], "PRECISION": "tf32", "USE_PDL": False, "DIRECT": direct, "NEW_KV": True,
+          "DECODE": decode, "BLOCK_Q": 1 if decode else 8, "BLOCK_QK": 16}
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    out.append(["decode" if decode else "short", direct, build(_decode_kernel, sig, ce, launch)])
+sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
+       "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_k": "i32", "stride_v": "i32"}
+out.append(["store", None, build(_store_kv_kernel, sig, {"ROW": 1024, "BLOCK": 1024, "USE_PDL": False}, {})])
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_hopper_with_fp8_cache():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", FP8_COMPILE_PROBE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in results] == ["prefill"] * 3 + ["decode", "decode", "short", "store"]
+    assert all(shared <= 232448 for *_, shared in results), results  # the H200's shared memory per block
+
+
 def test_bf16_cache_never_reads_the_scales():
     """A cache in the model's dtype ignores the scales: the output is the same with any."""
     from minivllm.kernels.paged_attention import paged_decode_attention

@@ -31,7 +31,7 @@ def test_a_vllm_command_line_parses(caplog):
     with caplog.at_level(logging.INFO, logger="minivllm.engine.engine_args"):
         given = checked_engine_args(args)
     assert given == {"tensor_parallel_size": 1, "seed": 7, "generation_config": "vllm", "max_model_len": 256,
-                     "gpu_memory_utilization": 0.8}
+                     "gpu_memory_utilization": 0.8, "kv_cache_dtype": "auto"}
     for name in ("trust_remote_code", "enable_auto_tool_choice", "disable_log_stats", "swap_space"):
         assert f"{name} accepted" in caplog.text
 
