@@ -374,6 +374,70 @@ def test_engine_fp8_cache_agrees_with_auto(tiny_qwen3):
     assert same >= MIN_AGREEMENT * len(top1["auto"]), f"top-1 agreement {same}/{len(top1['auto'])}"
 
 
+def feature_workload(forks: bool):
+    """Prompts sharing a 12-token prefix (prefix-cache hits), ones that repeat themselves
+    (n-gram drafts accepted), and with ``forks`` a two-sample request (copy-on-write forks
+    of the cache; speculation takes none)."""
+    from minivllm import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 512, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 512, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    prompts += [(torch.randint(1, 512, (u,), generator=g).tolist() * 12)[:m] for u, m in ((3, 20), (5, 41))]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    if forks:
+        params[1] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+    return prompts, params
+
+
+FEATURES = {
+    "prefix-caching+preemption": dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=32, max_num_seqs=8),
+    "ngram-speculation": dict(num_kv_blocks=256, block_size=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_engine_features_keep_working_on_fp8_cache(tiny_qwen3, feature):
+    """Prefix caching with preemption (a tight pool), copy-on-write forks, and speculation
+    (its verifying steps, its rollback rewriting slots) on an fp8 cache: the greedy tokens of
+    a roomy fp8 engine with none of them, and every block back in the pool at the end."""
+    from minivllm import LLM
+
+    prompts, params = feature_workload(forks="speculative_config" not in FEATURES[feature])
+    plain = LLM(model=str(tiny_qwen3), kv_cache_dtype="fp8", num_kv_blocks=512, block_size=4,
+                enable_prefix_caching=False)
+    with_feature = LLM(model=str(tiny_qwen3), kv_cache_dtype="fp8", record_trace=True, **FEATURES[feature])
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in with_feature.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    engine = with_feature.engine
+    if feature.startswith("prefix"):
+        assert any(r.preempted for r in engine.trace), "the tight pool never preempted"
+    else:
+        assert engine.stats["spec_accepted_tokens"] > 0, "no draft was accepted"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_hybrid_model_attention_layers_on_fp8_cache(hybrid_checkpoint):
+    """A hybrid model (Qwen3.5: Gated DeltaNet layers and attention layers) keeps its
+    recurrent states in the model's dtype and its attention layers' keys and values in fp8."""
+    from minivllm import LLM, SamplingParams
+
+    prompts = [[5 + (3 * i + j) % 90 for j in range(9 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    top1 = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        llm = LLM(model=str(hybrid_checkpoint("qwen3_5")), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
+                  block_size=4)
+        top1[kv_cache_dtype] = [next(t for t, lp in d.items() if lp.rank == 1)
+                                for o in llm.generate(prompts, params, use_tqdm=False) for d in o.prompt_logprobs[1:]]
+        assert all(layer.k_cache.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
+                   for layer in llm.engine.runner.layers)
+    same = sum(a == b for a, b in zip(top1["auto"], top1["fp8"], strict=True))
+    assert same >= MIN_AGREEMENT * len(top1["auto"]), f"top-1 agreement {same}/{len(top1['auto'])}"
+
+
 def test_checkpoint_kv_scales_load(tiny_qwen3, tmp_path):
     """A checkpoint's ``self_attn.k_scale`` / ``v_scale`` land on the layer's buffers,
     float32 whatever the model's dtype; without them the scales stay 1.0."""
