@@ -5,7 +5,8 @@ ids, ignore_eos, temperature 0.6, on a random-weight model with Qwen3-0.6B's exa
 bfloat16 (speed does not depend on the weights' values).
 
 Speed of light: every engine step must at least read the weights once and read the K/V
-of every token in every sequence's context, and must do 2 FLOPs per weight per token plus
+of every token in every sequence's context (at the KV cache's dtype: a float8 cache's bytes
+are half a bf16 one's), and must do 2 FLOPs per weight per token plus
 the attention FLOPs. Each step's floor is max(bytes / bandwidth, FLOPs / matmul rate) with
 both ceilings measured in this run; the workload's floor is the sum over the engine's real
 steps. "% of speed of light" = that floor / the measured time.
