@@ -29,9 +29,12 @@ def load_kv_scale(scale_ptr, cache_ptr):
 def quantize_kv(x, scale, cache_ptr):
     """Keys or values x as the cache at cache_ptr holds them: for a float8 cache x / scale in
     float32, clamped to [-448, 448] so that a large value saturates instead of becoming NaN
-    (e4m3 has no inf), then rounded to e4m3; for any other, x in the cache's dtype."""
+    (e4m3 has no inf), then rounded to e4m3; for any other, x in the cache's dtype. The
+    division is a multiply by 1 / scale, rounded as IEEE (and torch) round it: one multiply
+    per element, where a division is several instructions, and the same bits as the torch
+    reference's store."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        x = tl.clamp(x.to(tl.float32) * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
 
 
