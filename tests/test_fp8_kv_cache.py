@@ -465,7 +465,8 @@ def test_checkpoint_kv_scales_load(tiny_qwen3, tmp_path):
 @pytest.mark.gpu
 def test_gpu_engine_fp8_cache(tmp_path):
     """On the GPU at Qwen3-0.6B's attention shapes (heads 16/8, head_dim 128, block 16), with
-    CUDA graphs, asynchronous scheduling, chunked prefill and prefix caching: an fp8 cache
+    CUDA graphs, asynchronous scheduling, chunked prefill, prefix caching and copy-on-write
+    forks: an fp8 cache
     holds twice the blocks of bf16 in the same memory share, and its teacher-forced top-1
     tokens agree with bf16's on at least 90% of the prompt positions."""
     from minivllm import LLM, SamplingParams
@@ -490,6 +491,10 @@ def test_gpu_engine_fp8_cache(tmp_path):
         top1[kv_cache_dtype] = [next(t for t, lp in d.items() if lp.rank == 1)
                                 for o in outputs for d in o.prompt_logprobs[1:]]
         blocks[kv_cache_dtype], block_bytes[kv_cache_dtype] = runner.num_kv_blocks, runner.block_bytes
+        # Two greedy samples of one prompt: forks of its blocks, copied on write in the device's pool.
+        forks = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, n=2, ignore_eos=True),
+                             use_tqdm=False)[0].outputs
+        assert forks[0].token_ids == forks[1].token_ids
         llm.shutdown()
         del llm, runner
         torch.cuda.empty_cache()
