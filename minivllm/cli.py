@@ -37,7 +37,7 @@ VLLM_FLAGS = {  # flag name -> (its argparse keywords, a short alias or None)
     "disable_custom_all_reduce": ({"action": "store_true"}, None),
     "enable_chunked_prefill": ({"action": argparse.BooleanOptionalAction}, None),
     "enable_lora": ({"action": "store_true"}, None),
-    "tokenizer": ({}, None), "revision": ({}, None), "quantization": ({}, "-q"), "kv_cache_dtype": ({}, None),
+    "tokenizer": ({}, None), "revision": ({}, None), "quantization": ({}, "-q"),
     "tokenizer_mode": ({}, None), "download_dir": ({}, None), "load_format": ({}, None),
     "lora_modules": ({"nargs": "+"}, None),
     "limit_mm_per_prompt": ({}, None), "mm_processor_kwargs": ({}, None),
@@ -53,7 +53,6 @@ VLLM_VALUES = {
     "revision": "a hub id's branch, tag or commit to load",
     "quantization": "fp8: quantize the linear layers' weights to fp8 at load (W8A8); auto or none: weights as the "
                     "checkpoint has them (an fp8 checkpoint loads as published either way)",
-    "kv_cache_dtype": "auto only: the KV cache in the model's dtype (others: not supported yet)",
     "enable_chunked_prefill": "always on here: a long prompt is split across steps (max_num_batched_tokens)",
     "pipeline_parallel_size": "1 only: split a model across GPUs with --tensor-parallel-size",
 }
@@ -117,6 +116,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = None if f.default is dataclasses.MISSING else f.default
         if f.name == "dtype":
             group.add_argument(flag, default=None, help="auto (default), float32, bfloat16 or float16")
+        elif f.name == "kv_cache_dtype":
+            group.add_argument(flag, default=None, help="auto (default: the model's dtype), fp8 or fp8_e4m3 (float8 "
+                                                        "e4m3, a scale per layer: twice the blocks of bf16)")
         elif f.name == "device":
             group.add_argument(flag, default=None, help="default: cuda if there is a GPU, else cpu")
         elif kinds == {bool}:
@@ -271,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "'{\"max_num_batched_tokens\": 16384}'; default: the engine's defaults)")
     bench.add_argument("--quantization", "-q", default=None,
                        help="throughput: fp8 quantizes the linear layers' weights at load (default: bf16 weights)")
+    bench.add_argument("--kv-cache-dtype", default=None,
+                       help="throughput, latency: the KV cache's dtype, auto (default) or fp8")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
                                                      "the bundled model on a CPU)")
     bench.add_argument("--rates", default=None, help="serving: request rates per second, comma-separated; inf = all at once")
@@ -372,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
                 options["engine_process"] = args.engine_process
             if args.client_processes is not None:
                 options["client_processes"] = args.client_processes
+        if args.which in ("throughput", "latency") and args.kv_cache_dtype is not None:
+            options["kv_cache_dtype"] = args.kv_cache_dtype
         run = importlib.import_module(f"minivllm.bench.{BENCHMARKS[args.which]}").main
         print(json.dumps(run(args.out, **options), indent=2, default=str))
 

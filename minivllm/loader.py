@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import ModelConfig, text_tensor_name
+from minivllm.layers.attention import Attention
 from minivllm.layers.linear import Linear, default_weight_loader
 from minivllm.layers.quantization import (Fp8BlockLinearMethod, UnquantizedLinearMethod, finish_loading,
                                           linear_method, quantizable, set_linear_methods)
@@ -56,6 +57,7 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
     # What the checkpoint must provide: a packed or stacked parameter names its pieces
     # (shard_ids), any other is one whole tensor.
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
+    params.update(kv_scale_buffers(model))  # loaded where the checkpoint has them, 1.0 otherwise
     loaded: set[tuple[str, object]] = set()
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -92,6 +94,26 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
     if missing:
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
     # END SOLUTION
+
+
+def kv_scale_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A float8 KV cache's per-layer scales under the names a checkpoint gives them (vLLM's:
+    ``model.layers.0.self_attn.k_scale`` for the attention layer ``...self_attn.attn``)."""
+    buffers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            owner = name.rpartition(".")[0]
+            for scale in (module.k_scale, module.v_scale):
+                scale.weight_loader = _load_kv_scale
+            buffers.update({f"{owner}.k_scale": module.k_scale, f"{owner}.v_scale": module.v_scale})
+    return buffers
+
+
+def _load_kv_scale(scale: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """One scale for the whole layer, stored as a scalar or a one-element tensor."""
+    if shard_id is not None or loaded.numel() != 1:
+        raise ValueError(f"expected one scale per layer, got shape {tuple(loaded.shape)}")
+    scale.copy_(loaded.reshape(()))
 
 
 def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:

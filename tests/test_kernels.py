@@ -328,7 +328,8 @@ for dtype, head_dim, group, max_seqlen_q in json.loads(sys.argv[1]):
     config = prefill_config(head_dim, group, True, max_seqlen_q, 4 if dtype == "fp32" else 2)
     signature = {name: "*" + dtype for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     signature.update({name: f"tensordesc<{dtype}[{config['BLOCK_N']},{head_dim}]>" for name in ("k_new", "v_new")})
-    signature.update({"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "cu_seqlens_ptr": "*i64", "scale": "fp32"})
+    signature.update({"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "cu_seqlens_ptr": "*i64", "scale": "fp32",
+                      "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"})
     signature.update({name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs",
                                                "stride_ch", "stride_bt", "window")})
     constexprs = {"GROUP": group, "BLOCK_G": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,

@@ -32,7 +32,7 @@ def test_vllm_keywords_are_accepted(llm, caplog):
     (dict(pipeline_parallel_size=2), ["pipeline_parallel_size", "tensor_parallel_size"]),
     (dict(limit_mm_per_prompt={"image": 1}), ["limit_mm_per_prompt", "text"]),
     (dict(quantization="awq"), ["quantization", "not supported yet"]),
-    (dict(kv_cache_dtype="fp8"), ["kv_cache_dtype", "not supported yet"]),
+    (dict(kv_cache_dtype="fp8_e5m2"), ["kv_cache_dtype", "must be one of"]),
     (dict(tokenizer="/somewhere/else"), ["tokenizer", "model's own folder"]),
     (dict(revision="main"), ["revision", "local folder"]),
     (dict(max_num_seq=4), ["max_num_seq", "did you mean 'max_num_seqs'"]),

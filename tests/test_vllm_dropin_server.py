@@ -32,7 +32,7 @@ def test_a_vllm_command_line_parses(caplog):
     with caplog.at_level(logging.INFO, logger="minivllm.engine.engine_args"):
         given = checked_engine_args(args)
     assert given == {"tensor_parallel_size": 1, "seed": 7, "generation_config": "vllm", "max_model_len": 256,
-                     "gpu_memory_utilization": 0.8}
+                     "gpu_memory_utilization": 0.8, "kv_cache_dtype": "auto", "quantization": "none"}
     for name in ("trust_remote_code", "enable_auto_tool_choice", "disable_log_stats", "swap_space"):
         assert f"{name} accepted" in caplog.text
 
@@ -46,7 +46,7 @@ def test_comma_separated_origins_still_work():
     (["--enable-lora"], ["enable_lora", "LoRA"]),
     (["-pp", "2"], ["pipeline_parallel_size", "tensor_parallel_size"]),
     (["--limit-mm-per-prompt", '{"image": 1}'], ["limit_mm_per_prompt", "text models only"]),
-    (["--kv-cache-dtype", "fp8"], ["kv_cache_dtype", "not supported yet"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["kv_cache_dtype", "must be one of"]),
     (["--quantization", "awq"], ["quantization", "not supported yet"]),
     (["--reasoning-parser", "qwen"], ["--reasoning-parser", "qwen3", "deepseek_r1"]),
     (["--max-num-seqz", "4", "--enable-prefix-cashing"], ["did you mean --max-num-seqs?",

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # vLLM's engine arguments that a script or a command line copied from vLLM commonly passes, and
 # what minivllm makes of each (``vllm_engine_args``). Accepted: they change nothing on this
 # engine, and a notice says why. Refused: out of minivllm's scope, the message says what it does
-# instead. (``tokenizer``, ``revision``, ``kv_cache_dtype``,
+# instead. (``tokenizer``, ``revision``,
 # ``enable_chunked_prefill`` and ``pipeline_parallel_size`` are accepted for some values only,
 # see ``vllm_engine_args``.)
 ACCEPTED_VLLM_ARGS = {
@@ -49,7 +49,7 @@ REFUSED_VLLM_ARGS = {
     "data_parallel_size": "one engine per process: start several servers behind a load balancer instead",
 }
 ALL_KNOWN_ARGS = sorted(ENGINE_ARGS | {"model", "dtype", "device", "tokenizer", "revision", "quantization",
-                                       "kv_cache_dtype", "enable_chunked_prefill", "pipeline_parallel_size"}
+                                       "enable_chunked_prefill", "pipeline_parallel_size"}
                         | set(ACCEPTED_VLLM_ARGS) | set(REFUSED_VLLM_ARGS))
 
 
@@ -116,11 +116,6 @@ def vllm_engine_args(engine_args: dict) -> tuple[dict, str | None]:
     for name in sorted(set(args) & set(ACCEPTED_VLLM_ARGS)):
         if args.pop(name) not in (None, False):
             logger.info("%s accepted and changes nothing: %s", name, ACCEPTED_VLLM_ARGS[name])
-    for name in ("kv_cache_dtype",):
-        value = args.pop(name, None)
-        if value not in (None, "auto", "none"):
-            raise ValueError(f"{name}={value!r}: not supported yet; weights and the KV cache are kept in the model's "
-                             f"dtype (--dtype)")
     if args.pop("pipeline_parallel_size", None) not in (None, 1):
         raise ValueError("pipeline_parallel_size: pipeline parallelism is not supported; split the model across "
                          "GPUs with tensor_parallel_size instead")

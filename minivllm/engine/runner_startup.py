@@ -5,7 +5,8 @@ the user's first run into construction.
 On a GPU the number of KV blocks is whatever fits in ``gpu_memory_utilization`` of the card
 after a warm-up forward pass has shown the activations' peak; on the CPU it comes from a
 configured size. The pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks,
-block_size, num_kv_heads, head_dim]; each attention layer gets a view of its slice.
+block_size, num_kv_heads, head_dim], in the cache's dtype (EngineConfig.kv_cache_dtype); each
+attention layer gets a view of its slice.
 """
 import time
 from contextlib import contextmanager
@@ -36,7 +37,8 @@ def timed_phase(seconds: dict[str, float], name: str, device: torch.device):
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """The bytes one block of the pool takes: keys and values of every attention layer."""
+    """The bytes one block of the pool takes: keys and values of every attention layer, in
+    the cache's dtype (a float8 cache's blocks are half a bf16 one's: twice as many fit)."""
     first = layers[0]
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * len(layers) * block_size * first.num_kv_heads * first.head_dim * itemsize
@@ -82,7 +84,7 @@ def warmup(model, config: EngineConfig, device: torch.device) -> None:
 
 def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-    """The KV pool, each attention layer given a view of its slice."""
+    """The KV pool in the cache's ``dtype``, each attention layer given a view of its slice."""
     first = layers[0]
     kv_cache = torch.empty(2, len(layers), num_blocks, block_size, first.num_kv_heads, first.head_dim,
                            dtype=dtype, device=device)

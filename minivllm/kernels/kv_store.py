@@ -2,12 +2,40 @@
 
 Roofline: reads and writes 2 * num_tokens * num_kv_heads * head_dim elements; no FLOPs.
 Slot -1 marks a padding token (a CUDA-graph batch padded to a captured size): skipped.
+A float8 cache (chapter 20) stores key / k_scale and value / v_scale, saturated at +-448:
+half the bytes written, and half read by every later step.
 """
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
+
+# e4m3's largest finite value (1.75 * 2^8).
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def load_kv_scale(scale_ptr, cache_ptr):
+    """The scale a cache's elements are stored divided by: a float8 cache's (one float32,
+    read from its layer's buffer, so a CUDA graph sees a new value), 1.0 for any other."""
+    scale = 1.0
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def quantize_kv(x, scale, cache_ptr):
+    """Keys or values x as the cache at cache_ptr holds them: for a float8 cache x / scale in
+    float32, clamped to [-448, 448] so that a large value saturates instead of becoming NaN
+    (e4m3 has no inf), then rounded to e4m3; for any other, x in the cache's dtype. The
+    division is a multiply by 1 / scale, rounded as IEEE (and torch) round it: one multiply
+    per element, where a division is several instructions, and the same bits as the torch
+    reference's store."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32) * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -17,6 +45,7 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous: row s is slot s
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], likewise
     slot_ptr,  # [num_tokens]: each token's flat slot, -1 for padding
+    k_scale_ptr, v_scale_ptr,  # [1] float32: a float8 cache's scales (not read otherwise)
     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
@@ -28,12 +57,26 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
+    k = quantize_kv(k, load_kv_scale(k_scale_ptr, k_cache_ptr), k_cache_ptr)
+    v = quantize_kv(v, load_kv_scale(v_scale_ptr, v_cache_ptr), v_cache_ptr)
     tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
 
 
+def kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors a kernel is given: a float8 cache needs both; any other cache
+    never reads them, and the cache itself stands in for a pointer."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if k_scale is None or v_scale is None:
+            raise ValueError("a float8 KV cache needs k_scale and v_scale (float32 tensors of one element)")
+        return k_scale, v_scale
+    return k_cache, k_cache
+
+
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     tokens, heads, head_dim = k.shape
     row = heads * head_dim
@@ -43,7 +86,8 @@ def store_kvcache(
             raise ValueError(f"{name} must have contiguous heads, got strides {x.stride()}")
     if k_cache.shape[-2:] != (heads, head_dim) or not k_cache.is_contiguous():
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not hold [.., {heads}, {head_dim}] rows")
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _store_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), v.stride(0),
         ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_options(k),
     )

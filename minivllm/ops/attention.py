@@ -70,14 +70,17 @@ def sliding_window_attention(
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each new token's key and value into its slot of the cache.
 
     The cache is [num_blocks, block_size, num_kv_heads, head_dim]; slot s is row
     s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
-    Slot -1 marks a padding token that must not be stored.
+    Slot -1 marks a padding token that must not be stored. A float8 cache stores
+    ``quantize_kv`` of them with the layer's ``k_scale`` and ``v_scale``.
     """
+    k, v = quantize_kv(k, k_cache.dtype, k_scale), quantize_kv(v, v_cache.dtype, v_scale)
     # BEGIN SOLUTION ch05 store_kvcache
     num_kv_heads, head_dim = k_cache.shape[-2:]
     valid = slot_mapping >= 0
@@ -85,6 +88,34 @@ def store_kvcache(
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid]
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid]
     # END SOLUTION
+
+
+# e4m3's largest finite value: 448 = 1.75 * 2^8 (its top code is NaN, so there is no inf).
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Is this a float8 KV cache's dtype (values stored divided by a scale)?"""
+    return dtype == torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Keys or values as a cache of ``cache_dtype`` holds them. Float8: x / scale (in
+    float32, as x * (1 / scale), which the Triton kernels compute too), clamped to [-448,
+    448] and rounded to e4m3, so that a value past the range saturates at 448 instead of
+    becoming NaN (e4m3 has no inf). Any other dtype: x."""
+    if not is_fp8(cache_dtype):
+        return x
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached keys or values back in ``dtype``: float8 ones times their scale (in
+    float32), any other as they are. The Triton kernels never do this multiply per
+    element: they fold the scales into the softmax scale and the output."""
+    if not is_fp8(x.dtype):
+        return x
+    return (x.float() * scale).to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -100,9 +131,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
     ctx: Context, scale: float, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch of sequences: the Triton kernels on a GPU, the torch
-    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass)."""
+    reference elsewhere (and whenever there is no cache, e.g. a warm-up pass). ``k_scale``,
+    ``v_scale``: a float8 cache's scales (the layer's, float32 tensors of one element)."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache and use_triton(q):
         from minivllm.kernels import kv_store, paged_attention
@@ -115,33 +149,37 @@ def varlen_attention(
             # split the context as a decode step does, the KV store fused.
             return paged_attention.paged_short_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
-                ctx.max_context_len, k, v, ctx.slot_mapping, sliding_window=sliding_window)
+                ctx.max_context_len, k, v, ctx.slot_mapping, sliding_window=sliding_window, **scales)
         if ctx.is_prefill:
-            kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+            kv_store.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping, **scales)
             return paged_attention.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, ctx.cu_seqlens_q, ctx.max_seqlen_q, scale,
-                sliding_window=sliding_window, k=k, v=v, config={"FROM_SCRATCH": True} if ctx.from_scratch else None)
+                sliding_window=sliding_window, k=k, v=v, config={"FROM_SCRATCH": True} if ctx.from_scratch else None,
+                **scales)
         # A decode step: the attention kernel stores the new keys and values itself.
         return paged_attention.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, ctx.max_context_len,
-            sliding_window=sliding_window, k=k, v=v, slot_mapping=ctx.slot_mapping)
-    return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale, sliding_window)
+            sliding_window=sliding_window, k=k, v=v, slot_mapping=ctx.slot_mapping, **scales)
+    return varlen_attention_reference(q, k, v, k_cache, v_cache, ctx, scale, sliding_window, **scales)
 
 
 def varlen_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
     ctx: Context, scale: float, sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference: one sequence at a time.
 
     Without a cache each sequence attends over its own tokens in this step. With one, the
     new keys and values are stored first and each sequence then attends over everything it
     has cached (context_lens), prefix and new tokens alike. With ``sliding_window`` each
-    query sees only the last ``sliding_window`` positions up to its own.
+    query sees only the last ``sliding_window`` positions up to its own. A float8 cache
+    is read back dequantized with ``k_scale`` and ``v_scale``: every key, the step's own
+    included, is attended as the cache holds it.
     """
     use_cache = k_cache is not None and ctx.slot_mapping is not None
     if use_cache:
-        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
     # BEGIN SOLUTION ch02 varlen_reference
     cu_seqlens = torch.tensor([0, q.shape[0]]) if ctx.cu_seqlens_q is None else ctx.cu_seqlens_q.cpu()
     out = torch.empty_like(q)
@@ -149,8 +187,8 @@ def varlen_attention_reference(
         start, end = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
         if use_cache:
             length = int(ctx.context_lens[i])
-            k_i = gather_kv(k_cache, ctx.block_tables[i], length)
-            v_i = gather_kv(v_cache, ctx.block_tables[i], length)
+            k_i = dequantize_kv(gather_kv(k_cache, ctx.block_tables[i], length), q.dtype, k_scale)
+            v_i = dequantize_kv(gather_kv(v_cache, ctx.block_tables[i], length), q.dtype, v_scale)
         else:
             k_i, v_i = k[start:end], v[start:end]
         if sliding_window is not None:

@@ -17,6 +17,12 @@ loaded the same way after ``text_tensor_name`` strips ``model.language_model.`` 
 (``mtp.*``, in text checkpoints too) are skipped on purpose, being no part of the text
 model. The MTP head is loaded on its own, into its own module, with ``prefix="mtp."``
 (speculative decoding, ``minivllm.spec_decode.mtp``).
+
+Quantized weights (chapter 20) need no other loop: before loading, each quantized linear
+layer gets its method (``layers.quantization``), which creates its parameters. A checkpoint
+published in fp8 then holds a tensor for each (``weight`` in e4m3, ``weight_scale_inv``
+beside it), found by the same names; a layer quantized at load takes its weight as
+published and quantizes it after (``finish_loading``).
 """
 import re
 from pathlib import Path
@@ -26,9 +32,12 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import ModelConfig, text_tensor_name
-from minivllm.layers.linear import default_weight_loader
+from minivllm.layers.attention import Attention
+from minivllm.layers.linear import Linear, default_weight_loader
+from minivllm.layers.quantization import (Fp8BlockLinearMethod, UnquantizedLinearMethod, finish_loading,
+                                          linear_method, quantizable, set_linear_methods)
 from minivllm.models.registry import get_model_class
-from minivllm.safetensors_index import safetensors_files
+from minivllm.safetensors_index import safetensors_files, tensor_names
 
 # Tensors some checkpoints carry that are recomputed from the config instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,6 +45,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 MTP_PREFIX = "mtp."
 # One expert's projection in the hub's layout: "<prefix>.experts.<e>.<projection>.weight".
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# The block scales of an fp8 checkpoint's weight "<layer>.weight": "<layer>.weight_scale_inv".
+BLOCK_SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) -> None:
@@ -50,6 +61,7 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
     # What the checkpoint must provide: a packed or stacked parameter names its pieces
     # (shard_ids), any other is one whole tensor.
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", [None])}
+    params.update(kv_scale_buffers(model))  # loaded where the checkpoint has them, 1.0 otherwise
     loaded: set[tuple[str, object]] = set()
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -86,6 +98,26 @@ def load_weights(model: nn.Module, path: str | Path, prefix: str | None = None) 
         raise KeyError(f"checkpoint {path} is missing tensors for: {', '.join(missing)}")
 
 
+def kv_scale_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A float8 KV cache's per-layer scales under the names a checkpoint gives them (vLLM's:
+    ``model.layers.0.self_attn.k_scale`` for the attention layer ``...self_attn.attn``)."""
+    buffers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            owner = name.rpartition(".")[0]
+            for scale in (module.k_scale, module.v_scale):
+                scale.weight_loader = _load_kv_scale
+            buffers.update({f"{owner}.k_scale": module.k_scale, f"{owner}.v_scale": module.v_scale})
+    return buffers
+
+
+def _load_kv_scale(scale: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """One scale for the whole layer, stored as a scalar or a one-element tensor."""
+    if shard_id is not None or loaded.numel() != 1:
+        raise ValueError(f"expected one scale per layer, got shape {tuple(loaded.shape)}")
+    scale.copy_(loaded.reshape(()))
+
+
 def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[str, object]:
     match = EXPERT_TENSOR.match(ckpt_name)
     if match and match["proj"] in experts:
@@ -98,14 +130,45 @@ def _param_name_and_shard(ckpt_name: str, packed: dict, experts: dict) -> tuple[
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> nn.Module:
-    """Build the right model class for the checkpoint at ``path`` and load its weights."""
+    """Build the right model class for the checkpoint at ``path`` and load its weights;
+    ``quantization="fp8"`` quantizes its linear layers (EngineConfig.quantization)."""
     config = ModelConfig.from_pretrained(path)
     model_class = get_model_class(config.architecture)
     dtype = dtype or config.torch_dtype
+    method = linear_method(quantization, config.quantization_config)
     with torch.device(device):
         model = model_class(config)
-    model.to(dtype)
+    model.to(dtype)  # before any fp8 parameter exists: this cast would undo them
+    if method is not None:
+        set_linear_methods(quantized_layers(model, path, method), method)
     load_weights(model, path)
+    finish_loading(model)
     return model.eval()
+
+
+def quantized_layers(model: nn.Module, path: str | Path, method: UnquantizedLinearMethod) -> list[Linear]:
+    """The linear layers ``method`` takes. Quantized at load: every one ``quantizable``
+    names. A checkpoint published in fp8: those it holds in fp8 (with block scales), each of
+    which must be a linear layer that loads its own weight; an fp8 tensor anywhere else
+    (MoE experts, grouped projections) is refused rather than read without its scales."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if not isinstance(method, Fp8BlockLinearMethod):
+        return [layer for name, layer in layers.items() if quantizable(name)]
+    packed = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_modules_mapping", {})
+    vision_language = getattr(model.config, "vision_language", False)
+    chosen = {}
+    for ckpt_name in sorted(tensor_names(path)):
+        text_name = text_tensor_name(ckpt_name) if vision_language else ckpt_name
+        if text_name is None or text_name.startswith(MTP_PREFIX) or not text_name.endswith(BLOCK_SCALE_SUFFIX):
+            continue
+        name, _ = _param_name_and_shard(text_name, packed, experts)
+        layer = layers.get(name.removesuffix(BLOCK_SCALE_SUFFIX))
+        if layer is None or layer.weight.weight_loader != layer.weight_loader:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r}: fp8 weights load into linear layers only; fp8 MoE "
+                             "experts and grouped projections are not supported yet")
+        chosen[id(layer)] = layer
+    return list(chosen.values())

@@ -10,7 +10,8 @@ ids, ignore_eos, temperature 0.6, on a random-weight model with Qwen3-0.6B's exa
 bfloat16 (speed does not depend on the weights' values).
 
 Speed of light: every engine step must at least read the weights once and read the K/V
-of every token in every sequence's context, and must do 2 FLOPs per weight per token plus
+of every token in every sequence's context (at the KV cache's dtype: a float8 cache's bytes
+are half a bf16 one's), and must do 2 FLOPs per weight per token plus
 the attention FLOPs. Each step's floor is max(bytes / bandwidth, FLOPs / matmul rate) with
 both ceilings measured in this run; the workload's floor is the sum over the engine's real
 steps. "% of speed of light" = that floor / the measured time.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed
+from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed, weight_bytes
 from minivllm.testing import make_tiny_checkpoint
 
 
@@ -55,8 +56,15 @@ def model_checkpoint(name: str = "qwen3-0.6b-random", shapes: dict = QWEN3_0_6B,
     return folder
 
 
-def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2) -> dict:
-    """The floor time of the engine's actual steps (see the module docstring)."""
+def speed_of_light(trace, model_config, params: int, ceilings: dict, dtype_bytes: int = 2,
+                   weight_bytes: float | None = None, kv_dtype_bytes: int | None = None) -> dict:
+    """The floor time of the engine's actual steps (see the module docstring). Weights are
+    read at ``weight_bytes`` (what they are stored in, ``roofline.weight_bytes``: fewer than
+    params * dtype_bytes with fp8 linear layers; that product if not given), keys and values
+    at the KV cache's ``kv_dtype_bytes`` an element (default ``dtype_bytes``; 1 for a float8
+    cache, whose floor is then that much lower)."""
+    weight_bytes = params * dtype_bytes if weight_bytes is None else weight_bytes
+    kv_dtype_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     raise NotImplementedError(
         "ch15: one step's floor, its speed of light: a step cannot beat the time to move its bytes "
         "at the measured copy bandwidth, nor the time to do its FLOPs at the measured matmul rate, "
@@ -189,12 +197,15 @@ def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool = False, 
                            "sequences": len(s.seqs)} for s in sorted(trace, key=lambda s: s.seconds, reverse=True)[:5]],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(),
         "kv_blocks": llm.engine.runner.num_kv_blocks,
+        "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+        "_kv_dtype_bytes": llm.engine.runner.kv_cache.element_size(),
         "enforce_eager": enforce_eager,
         "async_scheduling": llm.engine.config.async_scheduling,
         # The step budget the engine resolved (its default depends on the device).
         "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
         "_trace": trace,
         "_params": sum(p.numel() for p in model.parameters()),
+        "_weight_bytes": weight_bytes(model),
         "_config": model.config,
     })
     llm.engine.runner.shutdown()
@@ -242,14 +253,20 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
 
 
 def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256,
-         profile_gpu: bool = True, engine_args: dict | None = None) -> dict:
+         profile_gpu: bool = True, engine_args: dict | None = None, kv_cache_dtype: str | None = None) -> dict:
+    """The workload on the engine (``engine_args``: EngineConfig fields; ``kv_cache_dtype``,
+    one of them, also names the report: throughput.json for the model's dtype,
+    throughput_kv_fp8.json for a float8 cache, so both can be measured and kept)."""
+    if kv_cache_dtype is not None:
+        engine_args = {**(engine_args or {}), "kv_cache_dtype": kv_cache_dtype}
     ceilings = measure_ceilings()
     prompts, output_lens = make_workload(num_requests)
     path = model_checkpoint()
     ours = run_minivllm(path, prompts, output_lens, profile_gpu=profile_gpu, **(engine_args or {}))
     # Both runs have the same schedule (same lengths, no prefix hits), so the second run's
     # trace gives the floor of each.
-    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings)
+    sol = speed_of_light(ours.pop("_trace"), ours.pop("_config"), ours.pop("_params"), ceilings,
+                         weight_bytes=ours.pop("_weight_bytes"), kv_dtype_bytes=ours.pop("_kv_dtype_bytes"))
     ours["speed_of_light"] = sol
     for run in ("first_run", "second_run"):
         ours[run]["percent_of_speed_of_light"] = 100 * sol["floor_seconds"] / ours[run]["seconds"]
@@ -270,4 +287,5 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
         report["speedup_vs_padded_generate"] = ours["output_tokens_per_s"] / baseline["padded_generate"]["output_tokens_per_s"]
     if baseline and "output_tokens_per_s" in baseline.get("generate_batch", {}):
         report["speedup_vs_generate_batch"] = ours["output_tokens_per_s"] / baseline["generate_batch"]["output_tokens_per_s"]
-    return save_report(report, out_dir, "throughput.json")
+    kv = ours["kv_cache_dtype"]
+    return save_report(report, out_dir, "throughput.json" if kv == "auto" else f"throughput_kv_{kv}.json")

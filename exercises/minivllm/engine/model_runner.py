@@ -61,7 +61,8 @@ class ModelRunner:
         # reports it): the weights, the KV pool, the CUDA graphs, compiling the kernels.
         self.startup_seconds: dict[str, float] = {}
         with self._startup_phase("load_weights"):
-            self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+            self.model = load_model(config.model, dtype=config.dtype, device=self.device,
+                                    quantization=config.quantization)
         self.model_config = self.model.config
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)
@@ -121,7 +122,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return kv_block_bytes(self.layers, self.block_size, self.config.dtype)
+        return kv_block_bytes(self.layers, self.block_size, self.config.cache_dtype)
 
     def _allocate_kv_cache(self) -> int:
         config, per_block = self.config, self.block_bytes + self.draft_block_bytes
@@ -139,7 +140,7 @@ class ModelRunner:
                 f"no memory left for the KV cache (one block needs {per_block} bytes; GiB: {gib}); "
                 "raise gpu_memory_utilization or cpu_kv_cache_space, or set num_kv_blocks"
             )
-        self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, config.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, config.cache_dtype, self.device)
         return num_blocks
 
     def _max_model_len(self) -> int:

@@ -63,6 +63,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0  # since the start, for the server's vllm:num_preemptions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,6 +76,7 @@ class Scheduler:
         hits_before = self.block_manager.cache_hit_tokens
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
+        self.num_preemptions += len(batch.preempted)
         batch.block_copies = self.block_manager.take_block_copies()
         batch.cache_hit_tokens = self.block_manager.cache_hit_tokens - hits_before
         return batch

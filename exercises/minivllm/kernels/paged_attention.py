@@ -34,12 +34,24 @@ diagonal, masked. Cached prefix tokens are just more keys. The last query tiles 
 keys) are launched first, and the block table is read once per cache block of a key tile,
 a tile ahead of the loads that need it. Each K/V tile is read once per query tile, mostly
 from L2: 2 * kv_len * num_kv_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M) / 2 bytes.
+
+A float8 cache (chapter 20) holds k / k_scale and v / v_scale, one scale per layer for each.
+Every kernel loads its tiles as they are and converts them to the query's dtype in
+registers (exact: e4m3's values are all bf16 values), and never multiplies a key or a value
+by its scale: q . (k_scale * k) = k_scale * (q . k), so k_scale joins the softmax scale,
+one multiply per program; and sum_j p_j * (v_scale * v_j) = v_scale * sum_j p_j * v_j, so
+v_scale multiplies the output once, at the end. The step's own keys and values, which the
+kernels take from the step's K and V rather than the cache, are rounded to what the cache
+holds (``quantize_kv``) before they are used, so that every key is attended as the cache
+holds it and the scales fold the same way for all of them. With any other cache the scales
+are 1.0 and never read.
 """
 import torch
 import triton
 import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
+from minivllm.kernels.kv_store import kv_scales, load_kv_scale, quantize_kv
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
@@ -139,7 +151,8 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
                         PRECISION: tl.constexpr, DECODE: tl.constexpr):
     """Fold the cached keys [start, end) of one sequence and K/V head into the running
     softmax of the query rows q (at positions q_pos), a tile of BLOCK_N keys at a time, read
-    in place through the block table (bt_ptr). Returns the new (m, l, acc)."""
+    in place through the block table (bt_ptr), in q's dtype (a float8 cache's: ``scale``
+    holds its k_scale, and acc is in units of its v_scale). Returns the new (m, l, acc)."""
     raise NotImplementedError(
         "ch09: the paged key loop: walk the keys start to end, BLOCK_N at a time. A key of the "
         "tile is valid when it lies in the range and is not before first; _kv_tile_rows gives each "
@@ -162,14 +175,14 @@ def _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b, kv_head, split,
                        newest, start, end, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt,
-                       stride_vnh, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                       stride_vnh, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """A decode step's own key and value (position ``newest``, not in the cache yet): the
     program whose keys [start, end) hold it folds it into the running softmax from
-    registers, and split 0 stores it at its slot (-1: a padding row, nothing to store).
-    Returns the new (m, l, acc)."""
+    registers, as the cache holds them (k_scale, v_scale: a float8 cache's), and split 0
+    stores it at its slot (-1: a padding row, nothing to store). Returns the new (m, l, acc)."""
     d = tl.arange(0, HEAD_DIM)
-    k_new = tl.load(k_new_ptr + b * stride_knt + kv_head * stride_knh + d)  # [HEAD_DIM]
-    v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d)
+    k_new = quantize_kv(tl.load(k_new_ptr + b * stride_knt + kv_head * stride_knh + d), k_scale, k_cache_ptr)
+    v_new = quantize_kv(tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d), v_scale, v_cache_ptr)
     if (start <= newest) & (newest < end):
         # One key: a row sum rather than a dot (tensor-core tiles are at least 16 keys wide).
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
@@ -182,21 +195,21 @@ def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr
     slot = tl.load(slot_ptr + b)
     if (split == 0) & (slot >= 0):
         row = _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE)
-        tl.store(k_cache_ptr + row + d, k_new.to(k_cache_ptr.dtype.element_ty))
-        tl.store(v_cache_ptr + row + d, v_new.to(v_cache_ptr.dtype.element_ty))
+        tl.store(k_cache_ptr + row + d, k_new)
+        tl.store(v_cache_ptr + row + d, v_new)
     return m, l, acc
 
 
 @triton.jit
 def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, q_len,
                       kv_head, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                      window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      window, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_QK: tl.constexpr, PRECISION: tl.constexpr):
     """A short prefill's own keys and values (tokens q_start .. q_start + q_len - 1 of the
     step, not in the cache yet), for split 0: folded into the running softmax of the query
-    rows (each at position qi among them: causal), and stored at their slots (-1: nothing to
-    store). No program reads those slots, so nothing waits for the store. Returns the new
-    (m, l, acc)."""
+    rows (each at position qi among them: causal) as the cache holds them (k_scale, v_scale:
+    a float8 cache's), and stored at their slots (-1: nothing to store). No program reads
+    those slots, so nothing waits for the store. Returns the new (m, l, acc)."""
     d = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, BLOCK_QK)
     j_valid = j < q_len
@@ -204,17 +217,19 @@ def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_
                     mask=j_valid[:, None], other=0.0)  # [BLOCK_QK, HEAD_DIM]
     v_new = tl.load(v_new_ptr + (q_start + j)[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
                     mask=j_valid[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k_new), input_precision=PRECISION)  # [rows, BLOCK_QK]
+    k_new = quantize_kv(k_new, k_scale, k_cache_ptr)  # as the cache holds them
+    v_new = quantize_kv(v_new, v_scale, v_cache_ptr)
+    s = tl.dot(q, tl.trans(k_new.to(q.dtype)), input_precision=PRECISION)  # [rows, BLOCK_QK]
     visible = j_valid[None, :] & (j[None, :] <= qi[:, None])
     if window > 0:
         visible = visible & (j[None, :] > qi[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
-    m, l, acc = _online_softmax_update(m, l, acc, s, v_new, qk_scale, PRECISION)
+    m, l, acc = _online_softmax_update(m, l, acc, s, v_new.to(q.dtype), qk_scale, PRECISION)
     slot = tl.load(slot_ptr + q_start + j, mask=j_valid, other=-1)
     keep = slot >= 0
     dst = _cache_rows(tl.where(keep, slot, 0), head_off, stride_cb, stride_cs, BLOCK_SIZE)
-    tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new.to(k_cache_ptr.dtype.element_ty), mask=keep[:, None])
-    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new.to(v_cache_ptr.dtype.element_ty), mask=keep[:, None])
+    tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new, mask=keep[:, None])
+    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new, mask=keep[:, None])
     return m, l, acc
 
 
@@ -247,6 +262,7 @@ def _decode_kernel(
     k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the step's own keys (read with NEW_KV)
     v_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: its values, likewise
     slot_ptr,  # [num_tokens]: where they go in the cache, -1 for a padding row (NEW_KV)
+    k_scale_ptr, v_scale_ptr,  # [1] float32: a float8 cache's scales (not read otherwise)
     scale,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -294,23 +310,28 @@ def _decode_kernel(
     # The first query's position: a decode step's newest key, a short prefill's first own key.
     q_pos0 = num_keys - 1 if DECODE else num_keys
     cache_end = tl.minimum(end, q_pos0) if DECODE and NEW_KV else end
+    # A float8 cache's scales fold into the softmax scale (keys) and the output (values).
+    k_scale = load_kv_scale(k_scale_ptr, k_cache_ptr)
+    v_scale = load_kv_scale(v_scale_ptr, v_cache_ptr)
     m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
-                                    cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window, scale,
-                                    HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
+                                    cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
+                                    scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
     head_off = kv_head * stride_ch
-    qk_scale = scale * LOG2E
+    qk_scale = scale * k_scale * LOG2E
     if DECODE:
         if NEW_KV:
             m, l, acc = _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                                            b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs,
-                                           stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale,
-                                           HEAD_DIM, BLOCK_SIZE)
+                                           stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, k_scale,
+                                           v_scale, HEAD_DIM, BLOCK_SIZE)
     else:
         if split == 0:
             m, l, acc = _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                                           q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_knt,
-                                          stride_knh, stride_vnt, stride_vnh, window, qk_scale,
+                                          stride_knh, stride_vnt, stride_vnh, window, qk_scale, k_scale, v_scale,
                                           HEAD_DIM, BLOCK_SIZE, BLOCK_QK, PRECISION)
+    # Every value went in as the cache holds it (v / v_scale): one multiply gives them back.
+    acc = acc * v_scale
     _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row_valid, stride_pt, stride_ph,
                  stride_ps, stride_lt, stride_lh, HEAD_DIM, DIRECT)
 
@@ -398,6 +419,8 @@ def paged_decode_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] (one query per sequence). Returns the same shape.
     With ``sliding_window`` each query sees only the last sliding_window keys. ``config``:
@@ -410,6 +433,7 @@ def paged_decode_attention(
 
     ``max_context_len`` bounds the context lengths (it sizes the splits; under a CUDA graph
     it is the engine's max_model_len, since the real lengths change at every replay).
+    ``k_scale``, ``v_scale`` (float32, one element each): a float8 cache's scales.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -434,20 +458,22 @@ def paged_decode_attention(
     k_new, v_new, slots = (k, v, slot_mapping) if new_kv else (q, q, context_lens)  # unread stand-ins
     return _split_context_attention(
         (num_seqs, num_kv_heads, num_splits), q, k_cache, v_cache, block_tables, context_lens, context_lens,
-        k_new, v_new, slots, out, scale, sliding_window, config,
+        k_new, v_new, slots, out, scale, sliding_window, config, k_scale, v_scale,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_Q=1, NEW_KV=new_kv, DECODE=True)
 
 
 def _split_context_attention(grid, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, k, v, slots, out,
-                             scale, sliding_window, config, **tile) -> torch.Tensor:
+                             scale, sliding_window, config, k_scale, v_scale, **tile) -> torch.Tensor:
     """Launch ``_decode_kernel`` on ``grid`` (num_seqs, num_kv_heads, num_splits) and merge
     its splits into ``out``: with one split (a large batch) the kernel writes the output
     itself; otherwise each split writes its partial output and log-sum-exp, and the merge
     combines them. ``tile``: the kernel's variant (DECODE, NEW_KV) and query tile (BLOCK_G,
-    BLOCK_Q, BLOCK_QK)."""
+    BLOCK_Q, BLOCK_QK); ``k_scale``, ``v_scale``: a float8 cache's scales."""
     part_out, part_lse = split_buffers(out, grid[2])
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, part_out, part_lse, k, v, slots, scale,
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, part_out, part_lse, k, v, slots, k_scale, v_scale,
+        scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -526,6 +552,7 @@ def _prefill_kernel(
     context_lens_ptr,  # [num_seqs] int32: keys per sequence, cached prefix included
     cu_seqlens_ptr,  # [num_seqs + 1] int32: where each sequence's queries start in q
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    k_scale_ptr, v_scale_ptr,  # [1] float32: a float8 cache's scales (not read otherwise)
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -558,7 +585,10 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
     q_pos = offset + m_idx
-    qk_scale = scale * LOG2E
+    # A float8 cache's scales fold into the softmax scale (keys) and the output (values).
+    k_scale = load_kv_scale(k_scale_ptr, k_cache_ptr)
+    v_scale = load_kv_scale(v_scale_ptr, v_cache_ptr)
+    qk_scale = scale * k_scale * LOG2E
 
     bt_ptr = block_tables_ptr + b * stride_bt
     last_block = (kv_len - 1) // BLOCK_SIZE
@@ -602,10 +632,11 @@ def _prefill_kernel(
             if not PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
             if K_T:
-                s = tl.dot(q, tl.load(k_cache_ptr + rows[None, :] + d[:, None]), input_precision=PRECISION)
+                s = tl.dot(q, tl.load(k_cache_ptr + rows[None, :] + d[:, None]).to(q.dtype), input_precision=PRECISION)
             else:
-                s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :])), input_precision=PRECISION)
-            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+                s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)),
+                           input_precision=PRECISION)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -613,9 +644,10 @@ def _prefill_kernel(
     if NEW_KV:
         for n0 in range(mid_gathered, mid, BLOCK_N):
             row = (q_start + n0 - offset).to(tl.int32)  # key n0's row among the step's tokens
-            k = k_new.load([row, kv_head * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            v = v_new.load([row, kv_head * HEAD_DIM])
+            # As the cache holds them: a float8 cache's rounding, in registers.
+            k = quantize_kv(k_new.load([row, kv_head * HEAD_DIM]), k_scale, k_cache_ptr)  # [BLOCK_N, HEAD_DIM]
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+            v = quantize_kv(v_new.load([row, kv_head * HEAD_DIM]), v_scale, v_cache_ptr).to(q.dtype)
             m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
         if PREFETCH and not FROM_SCRATCH:  # the gathered diagonal tiles start at mid, not where the first loop stopped
             rows = _kv_tile_rows(bt_ptr, mid, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
@@ -628,16 +660,16 @@ def _prefill_kernel(
             if not PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, PER_BLOCK)
             if K_T:
-                k = tl.load(k_cache_ptr + rows[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+                k = tl.load(k_cache_ptr + rows[None, :] + d[:, None], mask=valid[None, :], other=0.0).to(q.dtype)
                 s = tl.dot(q, k, input_precision=PRECISION)
             else:
-                k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -647,17 +679,19 @@ def _prefill_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < hi
             row = (q_start + n0 - offset).to(tl.int32)
-            k = k_new.load([row, kv_head * HEAD_DIM])  # rows past the step's last are zeros
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            k = quantize_kv(k_new.load([row, kv_head * HEAD_DIM]), k_scale, k_cache_ptr)  # past the step's last: 0
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
             visible = valid[None, :] & (n[None, :] <= q_pos[:, None])
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             # Rows past the sequence's keys are another sequence's, or a graph's padding: zero
             # them, as the gathered loads' mask does, so that nothing but 0 * v reaches the dot.
-            v = tl.where(valid[:, None], v_new.load([row, kv_head * HEAD_DIM]), 0.0)
+            v = quantize_kv(v_new.load([row, kv_head * HEAD_DIM]), v_scale, v_cache_ptr).to(q.dtype)
+            v = tl.where(valid[:, None], v, 0.0)
             m, l, acc = _online_softmax_update(m, l, acc, s, v, qk_scale, PRECISION)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    # Every value went in as the cache holds it (v / v_scale): one multiply gives them back.
+    out = acc * v_scale / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -717,8 +751,10 @@ def step_kv_descriptor(x: torch.Tensor | None, cache: torch.Tensor, block_n: int
     head_dim], seen as [num_tokens, num_kv_heads * head_dim] and loaded [block_n, head_dim]
     at a time; None where x is missing, empty, or laid out so that a descriptor cannot
     address it (a token's heads not contiguous, rows not 16-byte aligned, another dtype
-    than the cache's): the kernel then reads those keys from the cache."""
-    if x is None or x.shape[0] == 0 or x.dtype != cache.dtype or x.shape[1:] != cache.shape[2:]:
+    than the cache's, a float8 cache's aside: the kernel rounds those keys to float8 in
+    registers): the kernel then reads those keys from the cache."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if x is None or x.shape[0] == 0 or (x.dtype != cache.dtype and not fp8) or x.shape[1:] != cache.shape[2:]:
         return None
     tokens, heads, head_dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
@@ -743,6 +779,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim], packed sequences (cu_seqlens_q); their keys and
     values, cached prefix included, are already in the cache. Causal, and with
@@ -751,7 +789,8 @@ def paged_prefill_attention(
     defaults), for tuning. Writes into ``out`` (q's shape and dtype) when given; returns it.
     ``k``, ``v``: this step's keys and values, [num_tokens, num_kv_heads, head_dim], the
     rows that were just stored into the cache; given, the kernel reads the tiles of them
-    from there (contiguous, in bulk) instead of through the block table."""
+    from there (contiguous, in bulk) instead of through the block table. ``k_scale``,
+    ``v_scale`` (float32, one element each): a float8 cache's scales."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_heads(q, k_cache)
@@ -777,8 +816,9 @@ def paged_prefill_attention(
         config["NEW_KV"] = k_new is not None and v_new is not None
     config["FROM_SCRATCH"] = config["FROM_SCRATCH"] and config["NEW_KV"]
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_new, v_new, block_tables, context_lens, cu_seqlens_q, out, scale,
+        q, k_cache, v_cache, k_new, v_new, block_tables, context_lens, cu_seqlens_q, out, k_scale, v_scale, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), sliding_window or 0,
@@ -832,6 +872,8 @@ def paged_short_prefill_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A prefill step whose every sequence computes few tokens (at most ``max_seqlen_q``:
     a verifying step of speculative decoding, a short chunk) on the decode kernel's plan:
@@ -845,7 +887,8 @@ def paged_short_prefill_attention(
     the step's own keys and values, not yet in the cache: the kernel stores each at its slot
     (-1: nothing to store) and attends over them causally. ``max_context_len`` bounds the
     context lengths (it sizes the splits: under a CUDA graph, max_model_len). Rows of q that
-    belong to no sequence (a graph's padding) get no defined value: the caller drops them."""
+    belong to no sequence (a graph's padding) get no defined value: the caller drops them.
+    ``k_scale``, ``v_scale`` (float32, one element each): a float8 cache's scales."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -869,5 +912,5 @@ def paged_short_prefill_attention(
     block_q = rows // block_g
     return _split_context_attention(
         (num_seqs, num_kv_heads, num_splits), q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
-        k, v, slot_mapping, torch.empty_like(q), scale, sliding_window, config,
+        k, v, slot_mapping, torch.empty_like(q), scale, sliding_window, config, k_scale, v_scale,
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_QK=max(16, block_q), NEW_KV=True, DECODE=False)

@@ -67,6 +67,7 @@ class EngineState:
     num_free_blocks: int
     num_blocks: int
     num_aborted: int  # requests aborted before they finished (clients that left)
+    num_preemptions: int  # running requests sent back to the queue for want of KV blocks, since the start
 
 
 class OutputQueue:
@@ -197,7 +198,7 @@ class AsyncLLMEngine(RequestQueues):
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         waiting = len(scheduler.waiting) + self.engine.num_compiling  # (those whose grammar is compiling too)
         return EngineState(len(scheduler.running), waiting, blocks.num_free_blocks, blocks.num_blocks,
-                           self.num_aborted)
+                           self.num_aborted, scheduler.num_preemptions)
 
     # -- the loop ----------------------------------------------------------------------
 

@@ -205,6 +205,20 @@ class TextPart(Lenient):
     text: str
 
 
+def text_parts_only(data, text_types: tuple[str, ...]):
+    """A message's content parts, checked before they are parsed: an image, audio, video or
+    file part is refused as what it is (this server serves text models), rather than with
+    the parser's word that the content is not a string."""
+    content = data.get("content") if isinstance(data, dict) else None
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in text_types:
+            allowed = " or ".join(repr(t) for t in text_types)
+            raise ValueError(f"content.{j}: a {kind!r} part: this server serves text models only (parts of type "
+                             f"{allowed})")
+    return data
+
+
 class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null: an assistant turn that said nothing (a client sends back tool calls with it)
@@ -213,6 +227,16 @@ class ChatMessage(Lenient):
     # an assistant's calls, sent back with the results
     tool_calls: "Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None" = None
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning sent back (vLLM's name, and its older one): handed to the
+    # template as reasoning_content, which Qwen3's renders for the turns after the last
+    # user message and drops before it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts(cls, data):
+        return text_parts_only(data, ("text",))
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
@@ -265,11 +289,16 @@ class JsonSchemaFormat(Lenient):
 class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # Text Generation Inference's form, which huggingface_hub's InferenceClient sends:
+    # {"type": "json_object", "value": schema}. The schema applies, as json_schema's would.
+    value: dict | None = None
 
     @model_validator(mode="after")
     def _schema_with_its_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("response_format: json_schema is given with type 'json_schema', and only then")
+        if self.value is not None and self.type != "json_object":
+            raise ValueError("value (a JSON schema) is given with type 'json_object' only")
         return self
 
 
@@ -367,26 +396,82 @@ class ResponseInputText(Lenient):
 
 
 class ResponseInputMessage(Lenient):
-    """One item of a Responses ``input`` list: a message (vLLM reads function calls and their
-    outputs here too; this server does not yet, and refuses them by their type)."""
+    """One message of a Responses ``input`` list."""
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[ResponseInputText], Field(max_length=MAX_CONTENT_PARTS)]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts(cls, data):
+        return text_parts_only(data, ("input_text", "output_text"))
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class ResponseFunctionCall(Lenient):
+    """A call the model made, sent back in a later request's ``input`` (an output item)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseFunctionCallOutput(Lenient):
+    """What a call returned: the tool's message in the conversation."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponseReasoningItem(Lenient):
+    """A reasoning item sent back with the output it came in: the chat template leaves a
+    past turn's reasoning out of the prompt, and so does this server."""
+
+    type: Literal["reasoning"]
+
+
+ResponseInputItem = ResponseInputMessage | ResponseFunctionCall | ResponseFunctionCallOutput | ResponseReasoningItem
+
+
+class ResponseTool(Lenient):
+    """A function the model may call (Responses' flat form of chat's ``tools`` entry)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, data):
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise ValueError(f"a {kind!r} tool: this server runs no tools of its own; give functions "
+                             f"({{'type': 'function', 'name': ..., 'parameters': {{...}}}}) and run them yourself")
+        return data
+
+
+class ResponseNamedTool(Lenient):
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(Lenient):
-    """OpenAI's Responses API (``POST /v1/responses``), for text: ``input`` (a string, or a
-    list of messages) after ``instructions`` (a system message), through the chat template.
-    ``text.format`` (json_object, json_schema) constrains the output as chat's
-    ``response_format`` does. Tools and stored conversations (``previous_response_id``) are
-    refused here for now (/v1/chat/completions has tools)."""
+    """OpenAI's Responses API (``POST /v1/responses``): ``input`` (a string, or a list of
+    messages, function calls and their outputs) after ``instructions`` (a system message),
+    through the chat template, as the chat completion ``chat_request`` builds. ``tools``
+    (functions) and ``tool_choice`` work as chat's do; ``text.format`` (json_object,
+    json_schema) constrains the output as chat's ``response_format`` does. Stored
+    conversations (``previous_response_id``) are refused: this server stores nothing."""
 
     model: str | None = None
-    input: str | Annotated[list[ResponseInputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[ResponseInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -395,14 +480,14 @@ class ResponsesRequest(Lenient):
     store: bool = True  # accepted: nothing is stored, so a response cannot be fetched back
     metadata: dict[str, str] | None = None
     user: str | None = None
-    tools: list[dict] | None = None
+    tools: list[ResponseTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
+    parallel_tool_calls: bool = True
     text: dict | None = None
     previous_response_id: str | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.tools:
-            raise ValueError("tools: not supported yet on /v1/responses; use /v1/chat/completions for tool calls")
+    def _what_is_served(self):
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise ValueError("text: format is {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
@@ -414,11 +499,15 @@ class ResponsesRequest(Lenient):
 
     def chat_request(self) -> "ChatCompletionRequest":
         """The same request as a chat completion, which the chat route's checks and engine run."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        items = [ResponseInputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        messages += [{"role": m.role, "content": m.text()} for m in items]
-        fields = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
-                  "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user}
+        fields = {"model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_output_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
+                  "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                               for t in self.tools]
+        if self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
+                "type": "function", "function": {"name": self.tool_choice.name}}
         fmt = dict((self.text or {}).get("format", {"type": "text"}))
         if fmt["type"] == "json_schema":  # Responses' format holds the schema's fields; chat's nests them
             fields["response_format"] = {"type": "json_schema", "json_schema": {
@@ -427,11 +516,30 @@ class ResponsesRequest(Lenient):
             fields["response_format"] = {"type": "json_object"}
         try:
             return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as e:  # (a text.format the chat's response_format refuses)
+        except ValidationError as e:  # (a text.format the chat's response_format refuses, a bad tool)
             error = e.errors()[0]
             where = ".".join(str(part) for part in error["loc"])
+            param = "text" if where.startswith("response_format") else where.partition(".")[0]
             raise APIError(400, f"{where.replace('response_format', 'text.format')}: {error['msg']}",
-                           param="text") from None
+                           param=param) from None
+
+    def chat_messages(self) -> list[dict]:
+        """``instructions`` and ``input`` as chat messages: a function call joins the assistant
+        message before it (or starts one), its output is a tool message."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [ResponseInputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, ResponseInputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, ResponseFunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if not (messages and messages[-1]["role"] == "assistant"):
+                    messages.append({"role": "assistant", "content": None})
+                messages[-1].setdefault("tool_calls", []).append(call)
+            elif isinstance(item, ResponseFunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return messages
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -22,6 +22,9 @@ need the least communication:
 A column-parallel layer followed by a row-parallel one (attention, feed-forward) costs one
 all-reduce. The weight loaders read the full checkpoint tensor and keep their rank's
 slice. At world size 1 the slice is the whole tensor and there is no all-reduce.
+
+How the weight is stored and multiplied (the model's dtype, or fp8 with its scales) is the
+layer's quantization method (``layers.quantization``): every product goes through it.
 """
 from dataclasses import dataclass
 
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_world_size
-from minivllm.ops.linear import linear
+from minivllm.layers.quantization import UnquantizedLinearMethod
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -64,14 +67,19 @@ def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, i
     return rank * num_kv_heads // world_size, 1
 
 
+# The method of every layer built: the weight in the model's dtype until the loader says otherwise.
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W stored as [output_size, input_size] like nn.Linear. Every
-    rank holds all of it (replicated)."""
+    rank holds all of it (replicated). ``quant_method`` computes the product."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.quant_method = UNQUANTIZED
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -83,7 +91,16 @@ class Linear(nn.Module):
     weight_loader = staticmethod(default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def gated_fuses(self, x: torch.Tensor, activation: str) -> bool:
+        """Does ``forward_gated`` run as one kernel here (the gate/up product ending in its
+        activation)?"""
+        return self.quant_method.gated_fuses(self, x, activation)
+
+    def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up for a [gate | up] layer (GateUpLinear)."""
+        return self.quant_method.apply_gated(self, x, activation)
 
 
 def linear_layers(model: nn.Module) -> list[Linear]:
@@ -169,8 +186,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = all_reduce(linear(x, self.weight))
+            return self.quant_method.apply(self, x, self.bias)
+        y = all_reduce(self.quant_method.apply(self, x))
         return y if self.bias is None else y + self.bias
 
 
