@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="throughput: EngineConfig fields for the engine, as a JSON object (e.g. "
                             "'{\"max_num_batched_tokens\": 16384}'; default: the engine's defaults)")
     bench.add_argument("--quantization", "-q", default=None,
-                       help="throughput: fp8 quantizes the linear layers' weights at load (default: bf16 weights)")
+                       help="throughput, latency: fp8 quantizes the linear layers' weights at load (default: bf16 "
+                            "weights)")
     bench.add_argument("--kv-cache-dtype", default=None,
                        help="throughput, latency: the KV cache's dtype, auto (default) or fp8")
     bench.add_argument("--model", default=None, help="serving: the model (default: Qwen3-0.6B shapes on a GPU, "
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
                 options["client_processes"] = args.client_processes
         if args.which in ("throughput", "latency") and args.kv_cache_dtype is not None:
             options["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.which == "latency" and args.quantization is not None:
+            options["quantization"] = args.quantization
         run = importlib.import_module(f"minivllm.bench.{BENCHMARKS[args.which]}").main
         print(json.dumps(run(args.out, **options), indent=2, default=str))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import measure_ceilings, release_memory, save_report, timed
+from minivllm.bench.roofline import measure_ceilings, release_memory, report_name, save_report, timed
 from minivllm.bench.throughput import model_checkpoint
 
 
@@ -15,11 +15,12 @@ def _timed_generate(llm, prompt, params) -> float:
     return timed(lambda: llm.generate([prompt], params, use_tqdm=False))[1]
 
 
-def measure(path: Path, enforce_eager: bool, decode_tokens: int = 256, kv_cache_dtype: str = "auto") -> dict:
+def measure(path: Path, enforce_eager: bool, decode_tokens: int = 256, kv_cache_dtype: str = "auto",
+            quantization: str | None = None) -> dict:
     from minivllm import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", enforce_eager=enforce_eager, gpu_memory_utilization=0.5,
-              max_num_seqs=8, max_model_len=8192, kv_cache_dtype=kv_cache_dtype)
+              max_num_seqs=8, max_model_len=8192, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(0, llm.engine.runner.model_config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -41,17 +42,20 @@ def measure(path: Path, enforce_eager: bool, decode_tokens: int = 256, kv_cache_
             "time_per_output_token_s": tpot, "weight_bytes": params}
 
 
-def main(out_dir: str = "benchmarks", kv_cache_dtype: str = "auto") -> dict:
-    """``kv_cache_dtype`` (EngineConfig's) also names the report: latency.json for the
-    model's dtype, latency_kv_fp8.json for a float8 cache."""
+def main(out_dir: str = "benchmarks", kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict:
+    """``kv_cache_dtype`` and ``quantization`` (EngineConfig's) also name the report
+    (``report_name``): latency.json in the model's dtype, latency_kv_fp8.json for a float8
+    cache, latency_w_fp8.json for fp8 weights, latency_kv_fp8_w_fp8.json for both. The
+    floor is the weights read once, at the bytes they are stored in."""
     ceilings = measure_ceilings()
     path = model_checkpoint()
-    graphs = measure(path, enforce_eager=False, kv_cache_dtype=kv_cache_dtype)
-    eager = measure(path, enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
+    graphs = measure(path, enforce_eager=False, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+    eager = measure(path, enforce_eager=True, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     floor = graphs["weight_bytes"] / ceilings["copy_bandwidth_bytes_per_s"]
     report = {
         "model": "random weights, Qwen3-0.6B shapes, bfloat16, batch 1",
         "kv_cache_dtype": kv_cache_dtype,
+        "quantization": quantization,
         "ceilings": ceilings,
         "cuda_graphs": graphs,
         "eager": eager,
@@ -59,4 +63,4 @@ def main(out_dir: str = "benchmarks", kv_cache_dtype: str = "auto") -> dict:
         "percent_of_speed_of_light_with_graphs": 100 * floor / graphs["time_per_output_token_s"],
         "graph_speedup": eager["time_per_output_token_s"] / graphs["time_per_output_token_s"],
     }
-    return save_report(report, out_dir, "latency.json" if kv_cache_dtype == "auto" else f"latency_kv_{kv_cache_dtype}.json")
+    return save_report(report, out_dir, report_name("latency", kv_cache_dtype, quantization))

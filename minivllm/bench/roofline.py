@@ -87,6 +87,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def report_name(bench: str, kv_cache_dtype: str | None, quantization: str | None) -> str:
+    """A benchmark's file for the formats it ran with: ``bench``.json in the model's dtype,
+    with _kv_<dtype> for a float8 KV cache and _w_<method> for quantized weights."""
+    kv = "" if kv_cache_dtype in (None, "auto") else f"_kv_{kv_cache_dtype}"
+    weights = "" if quantization in (None, "none", "auto") else f"_w_{quantization}"
+    return f"{bench}{kv}{weights}.json"
+
+
 def save_report(report: dict, out_dir: str, name: str) -> dict:
     """Write ``report`` as ``out_dir/name`` (JSON) and return it."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
