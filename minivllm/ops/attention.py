@@ -104,18 +104,22 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor |
     float32, as x * (1 / scale), which the Triton kernels compute too), clamped to [-448,
     448] and rounded to e4m3, so that a value past the range saturates at 448 instead of
     becoming NaN (e4m3 has no inf). Any other dtype: x."""
+    # BEGIN SOLUTION ch20 quantize_kv
     if not is_fp8(cache_dtype):
         return x
     return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    # END SOLUTION
 
 
 def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """Cached keys or values back in ``dtype``: float8 ones times their scale (in
     float32), any other as they are. The Triton kernels never do this multiply per
     element: they fold the scales into the softmax scale and the output."""
+    # BEGIN SOLUTION ch20 dequantize_kv
     if not is_fp8(x.dtype):
         return x
     return (x.float() * scale).to(dtype)
+    # END SOLUTION
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 # Exercise copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
-# Fill in: causal_attention (ch02), sliding_window_attention (ch11), store_kvcache (ch05), gather_kv (ch05), varlen_attention_reference (ch02).
-# Grade: make grade CH=02; make grade CH=05; make grade CH=11
+# Fill in: causal_attention (ch02), sliding_window_attention (ch11), store_kvcache (ch05), quantize_kv (ch20), dequantize_kv (ch20), gather_kv (ch05), varlen_attention_reference (ch02).
+# Grade: make grade CH=02; make grade CH=05; make grade CH=11; make grade CH=20
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """Attention ops: the torch reference.
@@ -103,18 +103,25 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor |
     float32, as x * (1 / scale), which the Triton kernels compute too), clamped to [-448,
     448] and rounded to e4m3, so that a value past the range saturates at 448 instead of
     becoming NaN (e4m3 has no inf). Any other dtype: x."""
-    if not is_fp8(cache_dtype):
-        return x
-    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    raise NotImplementedError(
+        "ch20: quantize_kv: a cache whose dtype is not a float8 one (is_fp8) holds keys and values "
+        "as they are. A float8 cache holds each value over the layer's scale, in float32, "
+        "saturated to e4m3's range and rounded to the cache's dtype. Divide as the Triton kernels "
+        "do, by multiplying by the scale's reciprocal: the two paths then store the same bits, see "
+        "the chapter 20 notebook"
+    )
 
 
 def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """Cached keys or values back in ``dtype``: float8 ones times their scale (in
     float32), any other as they are. The Triton kernels never do this multiply per
     element: they fold the scales into the softmax scale and the output."""
-    if not is_fp8(x.dtype):
-        return x
-    return (x.float() * scale).to(dtype)
+    raise NotImplementedError(
+        "ch20: dequantize_kv: the inverse for reading: float8 entries times the layer's scale, "
+        "computed in float32 and only then given the dtype asked for (multiplying in bfloat16 "
+        "rounds twice); entries of any other dtype come back as they are, see the chapter 20 "
+        "notebook"
+    )
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

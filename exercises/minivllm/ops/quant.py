@@ -36,8 +36,15 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] -> (e4m3 [rows, K], float32 scale [rows, 1]): one scale per row (an
     output channel of a weight, or a token of the activations), amax / 448."""
     raise NotImplementedError(
-        "ch20: one float32 scale per row, amax / 448 and never zero; divide, clamp to +-448, cast "
-        "to e4m3, see the chapter 20 notebook"
+        "ch20: quantize_per_row: each row (an output channel of a weight, or one token's "
+        "activations) gets its own float32 scale, chosen so that the row's largest magnitude lands "
+        "exactly on e4m3's largest finite value, FP8_MAX; the row is stored as itself over its "
+        "scale, rounded to e4m3. Do the arithmetic in float32 whatever x's dtype. Two pitfalls: a "
+        "row of zeros has a largest magnitude of 0, and a scale of 0 turns every value into 0 / 0 "
+        "(MIN_SCALE is the floor a scale may not go under); and a cast to e4m3 of anything past "
+        "its range is NaN, not the largest value, so whatever rounding could push past the range "
+        "must be saturated before the cast. The scale keeps a column axis of length one, so that "
+        "it broadcasts against the row, see the chapter 20 notebook"
     )
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.roofline import QWEN3_0_6B, measure_ceilings, release_memory, save_report, timed, weight_bytes
+from minivllm.bench.roofline import (QWEN3_0_6B, measure_ceilings, release_memory, report_name, save_report, timed,
+                                     weight_bytes)
 from minivllm.testing import make_tiny_checkpoint
 
 
@@ -254,8 +255,10 @@ def run_transformers(path: Path, prompts, output_lens, num_requests: int = 32) -
 def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_requests: int = 256,
          profile_gpu: bool = True, engine_args: dict | None = None, kv_cache_dtype: str | None = None) -> dict:
     """The workload on the engine (``engine_args``: EngineConfig fields; ``kv_cache_dtype``,
-    one of them, also names the report: throughput.json for the model's dtype,
-    throughput_kv_fp8.json for a float8 cache, so both can be measured and kept)."""
+    one of them, and ``quantization`` also name the report (``roofline.report_name``:
+    throughput.json in the model's dtype, throughput_kv_fp8.json for a float8 cache,
+    throughput_w_fp8.json for fp8 weights, throughput_kv_fp8_w_fp8.json for both), so each
+    format's run is kept beside the others)."""
     if kv_cache_dtype is not None:
         engine_args = {**(engine_args or {}), "kv_cache_dtype": kv_cache_dtype}
     ceilings = measure_ceilings()
@@ -286,5 +289,5 @@ def main(out_dir: str = "benchmarks", with_transformers: bool = True, num_reques
         report["speedup_vs_padded_generate"] = ours["output_tokens_per_s"] / baseline["padded_generate"]["output_tokens_per_s"]
     if baseline and "output_tokens_per_s" in baseline.get("generate_batch", {}):
         report["speedup_vs_generate_batch"] = ours["output_tokens_per_s"] / baseline["generate_batch"]["output_tokens_per_s"]
-    kv = ours["kv_cache_dtype"]
-    return save_report(report, out_dir, "throughput.json" if kv == "auto" else f"throughput_kv_{kv}.json")
+    return save_report(report, out_dir, report_name("throughput", ours["kv_cache_dtype"],
+                                                    (engine_args or {}).get("quantization")))

@@ -1,5 +1,5 @@
 # Reference copy of minivllm/ops/attention.py, generated from it by scripts/make_exercises.py.
-# Reference answers for: causal_attention (ch02), sliding_window_attention (ch11), store_kvcache (ch05), gather_kv (ch05), varlen_attention_reference (ch02).
+# Reference answers for: causal_attention (ch02), sliding_window_attention (ch11), store_kvcache (ch05), quantize_kv (ch20), dequantize_kv (ch20), gather_kv (ch05), varlen_attention_reference (ch02).
 # Do not edit: change minivllm/ops/attention.py and run scripts/make_exercises.py again.
 
 """Attention ops: the torch reference.
