@@ -103,7 +103,8 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor |
     """Keys or values as a cache of ``cache_dtype`` holds them. Float8: x / scale (in
     float32, as x * (1 / scale), which the Triton kernels compute too), clamped to [-448,
     448] and rounded to e4m3, so that a value past the range saturates at 448 instead of
-    becoming NaN (e4m3 has no inf). Any other dtype: x."""
+    becoming NaN (e4m3 has no inf; what a cast makes of such a value is the
+    implementation's choice). Any other dtype: x."""
     # BEGIN SOLUTION ch20 quantize_kv
     if not is_fp8(cache_dtype):
         return x

@@ -94,7 +94,8 @@ def _block_fp8_matmul_kernel(
         "contribute nothing: load them as zeros. Then the bias, when there is one (HAS_BIAS), and "
         "a store of the tile in the output's dtype, masked at both edges. Second hint: a scale is "
         "loaded per row of the tile, [BLOCK_M] and [BLOCK_N], from the column k0 // GROUP_K of its "
-        "scale matrix; the pointer comments give each matrix's shape, see the chapter 20 notebook"
+        "scale matrix; the pointer comments give each matrix's shape, see "
+        "notebooks/20_quantization.ipynb"
     )
 
 

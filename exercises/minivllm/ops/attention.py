@@ -102,13 +102,14 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor |
     """Keys or values as a cache of ``cache_dtype`` holds them. Float8: x / scale (in
     float32, as x * (1 / scale), which the Triton kernels compute too), clamped to [-448,
     448] and rounded to e4m3, so that a value past the range saturates at 448 instead of
-    becoming NaN (e4m3 has no inf). Any other dtype: x."""
+    becoming NaN (e4m3 has no inf; what a cast makes of such a value is the
+    implementation's choice). Any other dtype: x."""
     raise NotImplementedError(
         "ch20: quantize_kv: a cache whose dtype is not a float8 one (is_fp8) holds keys and values "
         "as they are. A float8 cache holds each value over the layer's scale, in float32, "
         "saturated to e4m3's range and rounded to the cache's dtype. Divide as the Triton kernels "
         "do, by multiplying by the scale's reciprocal: the two paths then store the same bits, see "
-        "the chapter 20 notebook"
+        "notebooks/20_quantization.ipynb"
     )
 
 
@@ -119,8 +120,8 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     raise NotImplementedError(
         "ch20: dequantize_kv: the inverse for reading: float8 entries times the layer's scale, "
         "computed in float32 and only then given the dtype asked for (multiplying in bfloat16 "
-        "rounds twice); entries of any other dtype come back as they are, see the chapter 20 "
-        "notebook"
+        "rounds twice); entries of any other dtype come back as they are, see "
+        "notebooks/20_quantization.ipynb"
     )
 
 

@@ -41,10 +41,11 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "exactly on e4m3's largest finite value, FP8_MAX; the row is stored as itself over its "
         "scale, rounded to e4m3. Do the arithmetic in float32 whatever x's dtype. Two pitfalls: a "
         "row of zeros has a largest magnitude of 0, and a scale of 0 turns every value into 0 / 0 "
-        "(MIN_SCALE is the floor a scale may not go under); and a cast to e4m3 of anything past "
-        "its range is NaN, not the largest value, so whatever rounding could push past the range "
-        "must be saturated before the cast. The scale keeps a column axis of length one, so that "
-        "it broadcasts against the row, see the chapter 20 notebook"
+        "(MIN_SCALE is the floor a scale may not go under); and what a cast to e4m3 makes of a "
+        "value past its range is the implementation's choice (the largest value, or NaN), so "
+        "whatever rounding could push past the range is saturated before the cast. The scale keeps "
+        "a column axis of length one, so that it broadcasts against the row, see "
+        "notebooks/20_quantization.ipynb"
     )
 
 
