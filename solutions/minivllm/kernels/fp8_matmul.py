@@ -85,18 +85,18 @@ def _block_fp8_matmul_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     w_scale_rows = w_s_ptr + (n // GROUP_N) * stride_wsn  # [BLOCK_N]: each column's row of block scales
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP_K: one scale per row of a, per column of w
-        kk = k0 + k
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP_K: one scale per row of a, per column of w
+        kk = k_start + k
         a = tl.load(a_ptr + m[:, None] * stride_am + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-        a_s = tl.load(a_s_ptr + m * stride_asm + k0 // GROUP_K, mask=m < M, other=0.0)  # [BLOCK_M]
-        w_s = tl.load(w_scale_rows + k0 // GROUP_K, mask=n < N, other=0.0)  # [BLOCK_N]
-        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]  # [BLOCK_M, BLOCK_N] float32
+        a_s = tl.load(a_s_ptr + m * stride_asm + k_start // GROUP_K, mask=m < M, other=0.0)  # [BLOCK_M]
+        w_s = tl.load(w_scale_rows + k_start // GROUP_K, mask=n < N, other=0.0)  # [BLOCK_N]
+        y += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]  # [BLOCK_M, BLOCK_N] float32
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m[:, None] < M) & (n[None, :] < N)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def block_config(m: int, group_k: int) -> dict:
