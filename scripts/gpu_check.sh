@@ -34,7 +34,7 @@ multi_gpu=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo yes || echo no)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
-  tests=${TESTS:-"tests/test_kernels.py tests/test_flash_decode.py tests/test_kernels_gated_delta.py tests/test_kernels_token_bitmask.py tests/test_structured_output.py tests/test_grammar_compile.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
+  tests=${TESTS:-"tests/test_kernels.py tests/test_flash_decode.py tests/test_fp8_kv_cache.py tests/test_fp8_linear.py tests/test_kernels_gated_delta.py tests/test_kernels_token_bitmask.py tests/test_structured_output.py tests/test_grammar_compile.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
   # A test stuck for over 5 minutes dumps every thread's stack into the log; with
   # pytest-timeout installed, one stuck for 10 minutes (say, in an NCCL collective, where no
   # signal reaches Python) also ends the run instead of holding the machine.
@@ -46,12 +46,18 @@ fi
 # Benchmarks first: chapters 09, 10 and 15 read their JSON.
 if [[ $parts == *bench* ]]; then
   ok=pass
-  benches="${BENCHES:-kernels flash latency throughput moe gated-delta serving structured spec} $([ $multi_gpu = yes ] && echo tp)"
+  benches="${BENCHES:-kernels flash latency throughput throughput-fp8kv throughput-fp8 latency-fp8 moe gated-delta serving structured spec} $([ $multi_gpu = yes ] && echo tp)"
   for which in $benches; do
     if [ $which = structured ]; then  # chapter 18: a script of its own
       command="python3 scripts/bench_structured.py --out benchmarks/structured.json"
     elif [ $which = flash ]; then  # chapter 09: the two-stage kernel against the tuned one
       command="python3 scripts/bench_flash_decode.py --out benchmarks"
+    elif [ $which = throughput-fp8kv ]; then  # chapter 20: the fp8 KV cache (throughput_kv_fp8.json)
+      command="python3 -m minivllm.cli bench throughput --no-transformers --kv-cache-dtype fp8 --out benchmarks"
+    elif [ $which = throughput-fp8 ]; then  # chapter 20: fp8 KV cache and weights (throughput_kv_fp8_w_fp8.json)
+      command="python3 -m minivllm.cli bench throughput --no-transformers --kv-cache-dtype fp8 -q fp8 --out benchmarks"
+    elif [ $which = latency-fp8 ]; then  # chapter 20: batch-1 decode on fp8 weights (latency_w_fp8.json)
+      command="python3 -m minivllm.cli bench latency -q fp8 --out benchmarks"
     elif [ $which = spec ]; then  # chapter 19: n-gram and draft-model speculation on the bundled model
       command="python3 scripts/bench_spec.py --device cuda --out benchmarks/spec_decode.json"
     else
