@@ -382,10 +382,8 @@ class LLMEngine:
         if failed is not None:
             return self._fail(request, sampled.errors[failed])
         try:
-            chosen = sampled.sampled_logprobs  # (empty from a SamplerOutput built by hand)
             for r in rows:
-                reason = self.output_processor.append_token(request, sampled.token_ids[r], sampled.logprobs[r],
-                                                            chosen[r] if chosen else None)
+                reason = self.output_processor.append_token(request, sampled.token_ids[r], sampled.logprobs[r])
                 if reason is not None:
                     return self._finish(request.seq, reason)
         except Exception as e:  # e.g. its detokenizer: this request's problem alone

@@ -117,15 +117,15 @@ class OutputProcessor:
         num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens + position  # this step's token not counted yet
         return request.banned if num_outputs < seq.sampling_params.min_tokens else []
 
-    def append_token(self, request: RequestState, token: int, logprobs,
-                     sampled_logprob: float | None = None) -> str | None:
-        """Give the request its new token (and its log-probability, ``sampled_logprob``, to
-        cumulative_logprob); return why it finishes ("stop", "length"), or None."""
+    def append_token(self, request: RequestState, token: int, logprobs) -> str | None:
+        """Give the request its new token (and, when it asked for logprobs, the token's scores,
+        its log-probability added to cumulative_logprob); return why it finishes ("stop",
+        "length"), or None."""
         seq, params = request.seq, request.seq.sampling_params
         seq.token_ids.append(token)
         request.metrics.token_arrived()
-        request.cumulative_logprob += sampled_logprob or 0.0
         if logprobs is not None:
+            request.cumulative_logprob += logprobs[0]
             request.logprobs.append(self._logprob_entry(token, *logprobs))
         # Stop conditions apply once min_tokens tokens exist (as in vLLM). EOS and stop ids
         # cannot be among the first min_tokens anyway: the sampler was not allowed them.

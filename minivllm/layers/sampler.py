@@ -70,9 +70,6 @@ class SamplerOutput:
     # Rows whose own parameters made sampling fail: row -> what went wrong. Their token is
     # -1; the engine fails those requests alone.
     errors: dict[int, str] = field(default_factory=dict)
-    # Per row: the sampled token's log-probability (for CompletionOutput.cumulative_logprob,
-    # filled whether or not the request asked for logprobs), or None (a failed row).
-    sampled_logprobs: list[float | None] = field(default_factory=list)
 
 
 class SampledTokens:
@@ -85,8 +82,6 @@ class SampledTokens:
         self.token_ids = token_ids  # [rows] on the device
         self.ks = ks  # per row: how many top log-probs it wants, or None
         self._done: SamplerOutput | None = None
-        # ``logprobs``: when a row wants them, the sampled tokens' log-probabilities [rows],
-        # their ranks, the top ids and their log-probabilities; or None.
         parts = (token_ids, *(logprobs or ()))
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
@@ -112,14 +107,13 @@ class SampledTokens:
             if self._ready is not None:
                 self._ready.synchronize()
             token_list = self._host[0].tolist()
-            chosen = self._host[1].tolist() if len(self._host) > 1 else []
             logprobs: list = [None] * len(token_list)
-            if len(self._host) > 2:
-                rank, top_ids, top_values = (t.tolist() for t in self._host[2:])
+            if len(self._host) > 1:
+                chosen, rank, top_ids, top_values = (t.tolist() for t in self._host[1:])
                 for row, k in enumerate(self.ks):
                     if k is not None:
                         logprobs[row] = (chosen[row], rank[row], top_ids[row][:k], top_values[row][:k])
-            self._done = SamplerOutput(token_list, logprobs, sampled_logprobs=chosen)
+            self._done = SamplerOutput(token_list, logprobs)
         return self._done
 
 
@@ -176,13 +170,11 @@ class Sampler:
                                   bitmask[row : row + 1] if bitmask is not None else None).to_host()
                 out.token_ids += one.token_ids
                 out.logprobs += one.logprobs
-                out.sampled_logprobs += one.sampled_logprobs
             except NotImplementedError:
                 raise
             except Exception as e:
                 out.token_ids.append(-1)
                 out.logprobs.append(None)
-                out.sampled_logprobs.append(None)
                 failed[row] = e
         if len(failed) == len(params):
             raise batch_error
@@ -211,8 +203,7 @@ class Sampler:
         for row, gen in enumerate(generators):
             if gen is not None:
                 seeds[row] = torch.randint(0, 2**62, (1,), generator=gen, device=device)
-        tokens = gumbel_argmax(logits, temperature, greedy, seeds)
-        return SampledTokens(tokens, None, [None] * len(params))
+        return SampledTokens(gumbel_argmax(logits, temperature, greedy, seeds), None, [None] * len(params))
 
     def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
         if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
@@ -225,12 +216,13 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             tokens = self._draw_filtered(logits, tokens, params, generators)
+        logprobs = None
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             rank = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
             top = raw_logprobs.topk(max(k or 0 for k in ks), dim=-1)
-            return SampledTokens(tokens, (chosen, rank, top.indices, top.values), ks)
-        return SampledTokens(tokens, None, ks)
+            logprobs = (chosen, rank, top.indices, top.values)
+        return SampledTokens(tokens, logprobs, ks)
 
     @staticmethod
     def _restrict(logits, params, banned, history, bitmask) -> torch.Tensor:
