@@ -427,3 +427,17 @@ def test_the_step_budget_defaults_to_16384_tokens_on_a_gpu_and_8192_on_the_cpu()
     assert EngineConfig(model="m", device="cuda", max_num_batched_tokens=4096).max_num_batched_tokens == 4096
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model="m", device="cuda", max_num_batched_tokens=0)
+
+
+def test_start_up_says_where_its_time_goes(caplog):
+    """Each phase of construction is one line as it ends (on a terminal without logging set
+    up, printed to stderr; otherwise logged), with the seconds the runner records for it."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="minivllm.engine.runner_startup"):
+        llm = LLM(num_kv_blocks=16)
+    lines = [r.getMessage() for r in caplog.records if r.name == "minivllm.engine.runner_startup"]
+    phases = llm.engine.runner.startup_seconds
+    assert phases and len(lines) == len(phases)
+    for (name, seconds), line in zip(phases.items(), lines):
+        assert line == f"start-up: {name.replace('_', ' ')} took {seconds:.1f} s"

@@ -8,6 +8,8 @@ configured size. The pool is one tensor, allocated once: [2 (k, v), num_layers, 
 block_size, num_kv_heads, head_dim], in the cache's dtype (EngineConfig.kv_cache_dtype); each
 attention layer gets a view of its slice.
 """
+import logging
+import sys
 import time
 from contextlib import contextmanager
 
@@ -25,15 +27,30 @@ COMPILE_STEP_TOKENS = (4, 256, 2048)
 MATMUL_WARM_STEP = 32  # warm_matmuls' stride in row counts above max_num_seqs
 WARMUP_MAX_SEQ_LEN = 1024
 
+logger = logging.getLogger(__name__)
+
 
 @contextmanager
 def timed_phase(seconds: dict[str, float], name: str, device: torch.device):
-    """Time one phase of construction into ``seconds[name]``, the device's queued work included."""
+    """Time one phase of construction into ``seconds[name]``, the device's queued work included,
+    and say so when it ends (``report_phase``)."""
     start = time.perf_counter()
     yield
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds[name] = time.perf_counter() - start
+    report_phase(name, seconds[name])
+
+
+def report_phase(name: str, seconds: float) -> None:
+    """One line per phase of start-up, so that whoever waits for ``LLM(...)`` sees where the
+    seconds go: logged (INFO), or, on a terminal where nothing set up logging (a script run
+    by hand), printed to stderr, as a progress bar would be."""
+    message = f"start-up: {name.replace('_', ' ')} took {seconds:.1f} s"
+    if sys.stderr.isatty() and not logging.getLogger().hasHandlers():
+        print(f"minivllm {message}", file=sys.stderr, flush=True)
+    else:
+        logger.info(message)
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
