@@ -39,7 +39,8 @@ class Attention(nn.Module):
         # range, so a scale only has to keep |k| / k_scale below 448 and above the
         # subnormals (2^-6), a span of 2^15 that the keys of an RMS-normed layer sit in
         # whatever their head; a per-head scale would buy little. 1.0 unless the checkpoint
-        # gives them (``*.k_scale``, ``*.v_scale``).
+        # gives them (``*.k_scale``, ``*.v_scale``) or calculate_kv_scales measures them
+        # (``calculate_kv_scales_on_next_store``).
         # Buffers, so they follow the model to its device and a CUDA graph reads them by
         # address; a bf16 cache never reads them.
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
