@@ -119,6 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif f.name == "kv_cache_dtype":
             group.add_argument(flag, default=None, help="auto (default: the model's dtype), fp8 or fp8_e4m3 (float8 "
                                                         "e4m3, a scale per layer: twice the blocks of bf16)")
+        elif f.name == "calculate_kv_scales":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help="with --kv-cache-dtype fp8: each layer's key and value scales from the first "
+                                    "prompt's largest key and value over 448 (default: the checkpoint's, or 1.0)")
         elif f.name == "device":
             group.add_argument(flag, default=None, help="default: cuda if there is a GPU, else cpu")
         elif kinds == {bool}:

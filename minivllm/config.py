@@ -13,12 +13,15 @@ Beside it, the engine's settings (``EngineConfig``) and speculative decoding's
 (``SpeculativeConfig``): configuration lives here, below every module that reads it.
 """
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from minivllm.safetensors_index import tensor_names
+
+logger = logging.getLogger(__name__)
 
 
 # Vision-language architectures whose text model we run alone -> that text model's class.
@@ -383,6 +386,11 @@ class EngineConfig:
     # "fp8_e4m3"), float8 e4m3 with one scale per layer for K and one for V (chapter 20):
     # half the bytes a key costs in bf16, so twice the blocks in the same memory.
     kv_cache_dtype: str = "auto"
+    # An fp8 cache's scales measured instead of given (vLLM's calculate_kv_scales): each
+    # attention layer sets its k_scale and v_scale once, to the largest |key| and |value|
+    # of the first step that stores any, over 448 (``Attention.calculate_kv_scales_on_next_store``).
+    # False: the checkpoint's scales, or 1.0.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         check_quantization(self.quantization)
@@ -419,6 +427,11 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
                              f"{['auto', *FP8_KV_CACHE_DTYPES]}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            # Accepted, as vLLM accepts it, so that its command lines start unchanged: a cache
+            # in the model's dtype stores keys as they are and never reads a scale.
+            logger.warning("calculate_kv_scales=True changes nothing with kv_cache_dtype='auto': only an fp8 "
+                           "cache (kv_cache_dtype='fp8') stores keys and values divided by a scale")
 
     @property
     def cache_dtype(self) -> torch.dtype:
