@@ -34,7 +34,7 @@ multi_gpu=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo yes || echo no)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 tp_tests=$([ $multi_gpu = yes ] && echo "tests/test_tensor_parallel.py::test_bf16_tensor_parallel_matches_one_gpu")
 if [[ $parts == *tests* ]]; then
-  tests=${TESTS:-"tests/test_kernels.py tests/test_flash_decode.py tests/test_fp8_kv_cache.py tests/test_fp8_linear.py tests/test_kernels_gated_delta.py tests/test_kernels_token_bitmask.py tests/test_structured_output.py tests/test_grammar_compile.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
+  tests=${TESTS:-"tests/test_kernels.py tests/test_flash_decode.py tests/test_fp8_kv_cache.py tests/test_fp8_linear.py tests/test_kv_scales.py tests/test_kernels_gated_delta.py tests/test_kernels_token_bitmask.py tests/test_structured_output.py tests/test_grammar_compile.py tests/test_gpu_engine.py $(ls tests/test_gpu_*.py 2>/dev/null | grep -v test_gpu_engine.py) $tp_tests"}
   # A test stuck for over 5 minutes dumps every thread's stack into the log; with
   # pytest-timeout installed, one stuck for 10 minutes (say, in an NCCL collective, where no
   # signal reaches Python) also ends the run instead of holding the machine.

@@ -33,6 +33,7 @@ from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import state_layers
 from minivllm.layers.sampler import SampledTokens, Sampler
 from minivllm.loader import load_model
+from minivllm.ops.attention import is_fp8
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ModelRunner:
         self.cudagraphs = CudaGraphs(CudaGraphDispatcher())  # none: every step runs eagerly
         if self.device.type == "cuda":
             self._prepare_gpu()
+        self._arm_kv_scales()
 
     def _pinned_staging(self) -> PinnedStaging | None:
         if not (self.config.async_scheduling and self.device.type == "cuda"):
@@ -102,6 +104,29 @@ class ModelRunner:
             self.compile_kernels()
         with self._startup_phase("warm_matmuls"):
             self.warm_matmuls()
+
+    def _arm_kv_scales(self) -> None:
+        """calculate_kv_scales on an fp8 cache: every attention layer sets its scales from the
+        first real step's keys and values. Armed here, after the start-up's passes (the
+        warm-up, the graph captures, the compiling steps), whose dummy tokens would set them
+        otherwise; that first step runs eagerly (``_execute_first_step_eagerly``)."""
+        if not (self.config.calculate_kv_scales and is_fp8(self.config.cache_dtype)):
+            return
+        for layer in self.layers:
+            layer.calculate_kv_scales_on_next_store()
+        self.execute = self._execute_first_step_eagerly
+
+    def _execute_first_step_eagerly(self, input_ids: torch.Tensor,
+                                    positions: torch.Tensor) -> tuple[torch.Tensor | None, tuple | None]:
+        """``execute`` for the first step after ``_arm_kv_scales``, without CUDA graphs: a
+        replay runs no Python, so the layers' hooks would not see its keys. It then hands
+        ``execute`` back to the class's method: later steps check nothing."""
+        del self.execute
+        graphs, self.cudagraphs = self.cudagraphs, CudaGraphs(CudaGraphDispatcher())
+        try:
+            return self.execute(input_ids, positions)
+        finally:
+            self.cudagraphs = graphs
 
     def _startup_phase(self, name: str):
         return timed_phase(self.startup_seconds, name, self.device)
