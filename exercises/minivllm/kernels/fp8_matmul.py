@@ -93,8 +93,8 @@ def _block_fp8_matmul_kernel(
         "along its columns. Rows, columns and a last K step past the matrices' edges must "
         "contribute nothing: load them as zeros. Then the bias, when there is one (HAS_BIAS), and "
         "a store of the tile in the output's dtype, masked at both edges. Second hint: a scale is "
-        "loaded per row of the tile, [BLOCK_M] and [BLOCK_N], from the column k0 // GROUP_K of its "
-        "scale matrix; the pointer comments give each matrix's shape, see "
+        "loaded per row of the tile, [BLOCK_M] and [BLOCK_N], from the column of its scale matrix "
+        "that holds the step's first K column; the pointer comments give each matrix's shape, see "
         "notebooks/20_quantization.ipynb"
     )
 
