@@ -19,10 +19,12 @@ prompt sets the splitter's first state:
 A request with structured output (a JSON schema, tools, a regex...) is constrained after the
 reasoning only, as in vLLM: the model reasons in free text, and its grammar starts after the
 end tag's token (``grammar_after_reasoning``; Qwen3's and DeepSeek-R1's vocabularies have the
-tags as single tokens). A prompt that closed the reasoning itself is constrained from the
-first token; so is every request of a model whose vocabulary spells the tag in several
-tokens (its grammar could not tell where the reasoning ends, and this model does not reason
-in tags). The usage counts the reasoning's tokens (``reasoning_tokens``).
+tags as single tokens). So a model that answers without closing a reasoning is never
+constrained, as in vLLM (a reasoning model given a prompt that leaves it to reason does
+reason). A prompt that closed the reasoning itself is constrained from the first token; so
+is every request to a model whose vocabulary spells the tag in several tokens (the grammar
+waits for one token; vLLM refuses such a parser at start-up). The usage counts the
+reasoning's tokens (``reasoning_tokens``).
 
 Streamed, the splitter is fed the growing text and answers what is new on each side; the
 tags may arrive split across deltas (``</th`` then ``ink>``), so a tail of text that could

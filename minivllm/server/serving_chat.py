@@ -66,7 +66,7 @@ class OpenAIServingChat(OpenAIServingGeneration):
         parser = reasoning.parser
         count = sum(parser.reasoning_tokens(self.tokenizer, c.token_ids, parser.split(reasoning.prompt_text, c.text)[0])
                     for output in finals for c in output.outputs)
-        return {**usage(*finals), "completion_tokens_details": {"reasoning_tokens": count}}
+        return usage(*finals, reasoning_tokens=count)
 
     def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], reasoning: ReasoningAnswer | None,
                k: int | None, body, index: int,
