@@ -179,10 +179,13 @@ def test_chat_reasons_then_answers_the_schema(client, thinks):
     jsonschema.validate(json.loads(message.content), POINT)
     assert whole.usage.completion_tokens_details.reasoning_tokens == len(thinks)
     stream = client.chat.completions.create(model=SERVED_MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=60, temperature=0, response_format=SCHEMA_FORMAT, stream=True)
-    deltas = [c.choices[0].delta for c in stream if c.choices]
+                                            max_tokens=60, temperature=0, response_format=SCHEMA_FORMAT, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hmm ok"
     assert "".join(d.content or "" for d in deltas) == message.content
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == len(thinks)
 
 
 def test_a_required_tool_call_follows_the_reasoning(client, thinks):

@@ -43,7 +43,9 @@ class OpenAIServingChat(OpenAIServingGeneration):
                 first = [{**f, "prompt_token_ids": ids} for f in first]
             head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options,
                                              len(ids))
-            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n))
+            counted = functools.partial(self.reasoning_usage, reasoning) if reasoning is not None else usage
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n,
+                                             usage=counted))
         return await self.respond(outputs, request, head, choice, params.n, self.extra_fields(body, params, reasoning))
 
     def extra_fields(self, body: ChatCompletionRequest, params, reasoning: ReasoningAnswer | None = None):
@@ -56,13 +58,14 @@ class OpenAIServingChat(OpenAIServingGeneration):
         def extra(finals) -> dict:
             fields = {"prompt_logprobs": prompt_logprobs(finals[0])} if params.prompt_logprobs is not None else {}
             if reasoning is not None:
-                fields["usage"] = self.reasoning_usage(reasoning, finals)
+                fields["usage"] = self.reasoning_usage(reasoning, *finals)
             return {**fields, "prompt_token_ids": finals[0].prompt_token_ids} if body.return_token_ids else fields
 
         return extra
 
-    def reasoning_usage(self, reasoning: ReasoningAnswer, finals: list[RequestOutput]) -> dict:
-        """The usage of a finished request, its completions' reasoning tokens counted."""
+    def reasoning_usage(self, reasoning: ReasoningAnswer, *finals: RequestOutput) -> dict:
+        """The usage of a finished request (``finals``: its prompts' last outputs), its
+        completions' reasoning tokens counted."""
         parser = reasoning.parser
         count = sum(parser.reasoning_tokens(self.tokenizer, c.token_ids, parser.split(reasoning.prompt_text, c.text)[0])
                     for output in finals for c in output.outputs)
