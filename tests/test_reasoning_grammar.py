@@ -14,6 +14,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.errors import InvalidParameter
 from minivllm.server.api import ServerConfig
 from minivllm.server.reasoning import REASONING_PARSERS
 from minivllm.structured import matcher
@@ -73,6 +74,12 @@ def script(engine, tokens: list[int]):
 def llm(checkpoint, request):
     with torch_threads(1):
         yield LLM(str(checkpoint), async_scheduling=request.param, **SERVED_ENGINE)
+
+
+@pytest.mark.parametrize("bad", [-1, True, "513", 1.0])
+def test_a_bad_end_token_is_refused(bad):
+    with pytest.raises(InvalidParameter, match="reasoning_end_token_id"):
+        StructuredOutputsParams(json=POINT, reasoning_end_token_id=bad)
 
 
 def test_the_tags_are_one_token_each(llm):

@@ -116,8 +116,9 @@ class StructuredOutputs(StepFeature):
     def bitmask(self, requests: list):
         """The tokens each sampled row's grammar allows next (every token for a row without
         one, whose grammar has not started, or whose request has ended), on the host; None
-        when no row's grammar has anything to say (the sampler then needs no mask). Written into buffers kept
-        from step to step (pinned on a GPU, so that the upload copies nothing first)."""
+        when no row's grammar has anything to say (the sampler then needs no mask). Written
+        into buffers kept from step to step (pinned on a GPU, so that the upload copies
+        nothing first)."""
         from minivllm.structured.matcher import BitmaskBuffers, fill_bitmask
 
         states = [None if r.grammar is None or r.seq.is_finished or not r.grammar.constrains else r.grammar
