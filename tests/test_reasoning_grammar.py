@@ -14,12 +14,14 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.engine.engine_args import BUNDLED_MODEL
 from minivllm.errors import InvalidParameter
 from minivllm.server.api import ServerConfig
 from minivllm.server.reasoning import REASONING_PARSERS
 from minivllm.structured import matcher
 from minivllm.structured.matcher import GrammarState, fill_bitmask
 from minivllm.testing import make_tiny_checkpoint, torch_threads, write_tiny_tokenizer
+from minivllm.tokenizer import load_tokenizer
 from shared import SERVED_ENGINE, SERVED_KEY, SERVED_MODEL, threaded_server
 
 THINK, END = 512, 513  # the tags' ids: one token each, as in Qwen3's and DeepSeek-R1's vocabularies
@@ -147,8 +149,23 @@ def test_reasoning_tokens_counted_between_the_tags(llm):
     assert qwen3.reasoning_tokens(tokenizer, [THINK, 5, 6], "xy") == 2  # cut short
     assert qwen3.reasoning_tokens(tokenizer, [5, 6, 7], None) == 0
     assert r1.reasoning_tokens(tokenizer, [5, 6, END, 7], "xy") == 2  # no opening tag
-    assert qwen3.grammar_start(tokenizer, "<|im_start|>assistant\n") == END
-    assert qwen3.grammar_start(tokenizer, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
+
+
+@pytest.mark.parametrize("prompt, starts_after", [
+    ("<|im_start|>assistant\n", END),  # the model decides whether it reasons
+    ("<|im_start|>assistant\n<think>\n", END),  # the template opened the reasoning
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None),  # enable_thinking false
+    ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n<think>\n", END),
+    ("<|im_start|>assistant\n<think>a</think>\n\nSure, ", None),  # continued after its reasoning
+])
+def test_where_the_grammar_starts_is_the_prompts_last_tag(llm, prompt, starts_after):
+    """As vLLM decides: the grammar waits for </think> unless the prompt's last tag closed a
+    reasoning; a vocabulary without the tags as tokens starts it at once."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert REASONING_PARSERS["qwen3"].grammar_start(tokenizer, ids) == starts_after
+    bundled = load_tokenizer(BUNDLED_MODEL)  # (its vocabulary spells the tags in several tokens)
+    assert REASONING_PARSERS["qwen3"].grammar_start(bundled, bundled.encode(prompt, add_special_tokens=False)) is None
 
 
 # -- through the server ----------------------------------------------------------------------

@@ -21,10 +21,10 @@ reasoning only, as in vLLM: the model reasons in free text, and its grammar star
 end tag's token (``grammar_after_reasoning``; Qwen3's and DeepSeek-R1's vocabularies have the
 tags as single tokens). So a model that answers without closing a reasoning is never
 constrained, as in vLLM (a reasoning model given a prompt that leaves it to reason does
-reason). A prompt that closed the reasoning itself is constrained from the first token; so
-is every request to a model whose vocabulary spells the tag in several tokens (the grammar
-waits for one token; vLLM refuses such a parser at start-up). The usage counts the
-reasoning's tokens (``reasoning_tokens``).
+reason). A prompt whose last tag closed a reasoning (enable_thinking false) is constrained
+from the first token; so is every request to a model whose vocabulary spells the tags in
+several tokens (the grammar waits for one token; vLLM refuses such a parser at start-up).
+The usage counts the reasoning's tokens (``reasoning_tokens``).
 
 Streamed, the splitter is fed the growing text and answers what is new on each side; the
 tags may arrive split across deltas (``</th`` then ``ink>``), so a tail of text that could
@@ -55,13 +55,15 @@ class ReasoningParser:
         splitter.feed(text, finished=True)
         return splitter.reasoning_text(), splitter.content
 
-    def grammar_start(self, tokenizer, prompt_text: str | None) -> int | None:
+    def grammar_start(self, tokenizer, prompt_ids: list[int]) -> int | None:
         """The token after which a grammar starts for this prompt: the end tag's, unless the
-        prompt closed the reasoning itself (Qwen3's template with enable_thinking false, the
-        splitter's rule) or the tag is not one token (None: the grammar starts at once)."""
-        if (prompt_text or "").rstrip().endswith(self.end):
+        prompt's last tag closed a reasoning (Qwen3's template with enable_thinking false; a
+        final assistant message continued after its reasoning), as vLLM decides, or the tags
+        are not one token each (None: the grammar starts at once)."""
+        start, end = tag_token_id(tokenizer, self.start), tag_token_id(tokenizer, self.end)
+        if start is None or end is None or last_index(prompt_ids, end) > last_index(prompt_ids, start):
             return None
-        return tag_token_id(tokenizer, self.end)
+        return end
 
     def reasoning_tokens(self, tokenizer, token_ids: list[int], reasoning: str | None) -> int:
         """How many of an output's tokens are its reasoning (``reasoning``: the splitter's text
@@ -86,7 +88,15 @@ def tag_token_id(tokenizer, tag: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def grammar_after_reasoning(params, parser: ReasoningParser | None, tokenizer, prompt_text: str | None) -> None:
+def last_index(ids: list[int], token: int) -> int:
+    """Where ``token`` last occurs in ``ids`` (-1: nowhere)."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
+
+
+def grammar_after_reasoning(params, parser: ReasoningParser | None, tokenizer, prompt_ids: list[int]) -> None:
     """Start the grammar of ``params`` (a request's SamplingParams), if it has one, after the
     reasoning (StructuredOutputsParams.reasoning_end_token_id): what vLLM does with a
     reasoning parser. (The spec is replaced, not changed: a tool's may be shared. The params
@@ -94,7 +104,7 @@ def grammar_after_reasoning(params, parser: ReasoningParser | None, tokenizer, p
     would fail SamplingParams' own check.)"""
     if parser is None or params.structured_outputs is None:
         return
-    end = parser.grammar_start(tokenizer, prompt_text)
+    end = parser.grammar_start(tokenizer, prompt_ids)
     if end is not None:
         params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end_token_id=end)
 

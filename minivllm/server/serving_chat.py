@@ -22,7 +22,7 @@ class OpenAIServingChat(OpenAIServingGeneration):
         params = self.sampling_params(body)
         ids, text = self.truncate(*await self.encode_messages(body), params)
         parser = reasoning_parser(self.config.reasoning_parser)
-        grammar_after_reasoning(params, parser, self.tokenizer, text)  # the model reasons freely first
+        grammar_after_reasoning(params, parser, self.tokenizer, ids)  # the model reasons freely first
         self.check_prompt(ids, params, "messages", body=body)
         self.check_logprob_entries([len(ids)], params, 1)
         plan = tool_plan(body)

@@ -41,7 +41,7 @@ class OpenAIServingResponses(OpenAIServingGeneration):
         params = self.sampling_params(chat)
         ids, text = self.truncate(*await self.encode_messages(chat), params)
         parser = reasoning_parser(self.config.reasoning_parser)
-        grammar_after_reasoning(params, parser, self.tokenizer, text)  # the model reasons freely first
+        grammar_after_reasoning(params, parser, self.tokenizer, ids)  # the model reasons freely first
         self.check_prompt(ids, params, "input", body=chat)
         plan = tool_plan(chat)
         response_id = f"resp_{uuid.uuid4().hex}"
