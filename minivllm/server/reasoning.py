@@ -16,11 +16,23 @@ prompt sets the splitter's first state:
   ``<think>``; ``deepseek_r1`` (whose model may leave out the opening tag) reads everything
   before ``</think>`` as reasoning, and an output that never closes it as all reasoning.
 
+A request with structured output (a JSON schema, tools, a regex...) is constrained after the
+reasoning only, as in vLLM: the model reasons in free text, and its grammar starts after the
+end tag's token (``grammar_after_reasoning``; Qwen3's and DeepSeek-R1's vocabularies have the
+tags as single tokens). So a model that answers without closing a reasoning is never
+constrained, as in vLLM (a reasoning model given a prompt that leaves it to reason does
+reason). A prompt whose last tag closed a reasoning (enable_thinking false) is constrained
+from the first token; so is every request to a model whose vocabulary spells the tags in
+several tokens (the grammar waits for one token; vLLM refuses such a parser at start-up).
+The usage counts the reasoning's tokens (``reasoning_tokens``).
+
 Streamed, the splitter is fed the growing text and answers what is new on each side; the
 tags may arrive split across deltas (``</th`` then ``ink>``), so a tail of text that could
 be the start of a tag is held back until the next delta says what it is. Each character
 is looked at a bounded number of times: a long answer costs a stream no more than its length.
 """
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 
@@ -42,6 +54,59 @@ class ReasoningParser:
         splitter = self.splitter(prompt_text)
         splitter.feed(text, finished=True)
         return splitter.reasoning_text(), splitter.content
+
+    def grammar_start(self, tokenizer, prompt_ids: list[int]) -> int | None:
+        """The token after which a grammar starts for this prompt: the end tag's, unless the
+        prompt's last tag closed a reasoning (Qwen3's template with enable_thinking false; a
+        final assistant message continued after its reasoning), as vLLM decides, or the tags
+        are not one token each (None: the grammar starts at once)."""
+        start, end = tag_token_id(tokenizer, self.start), tag_token_id(tokenizer, self.end)
+        if start is None or end is None or last_index(prompt_ids, end) > last_index(prompt_ids, start):
+            return None
+        return end
+
+    def reasoning_tokens(self, tokenizer, token_ids: list[int], reasoning: str | None) -> int:
+        """How many of an output's tokens are its reasoning (``reasoning``: the splitter's text
+        of it, None when it read none). With one-token tags, the tokens between them (the tags
+        not counted, as vLLM counts): from after the first start tag, or from the output's
+        start when the prompt opened the reasoning, to the first end tag or the output's end.
+        Otherwise the reasoning's text encoded again (its count, very nearly)."""
+        if reasoning is None:
+            return 0
+        start, end = tag_token_id(tokenizer, self.start), tag_token_id(tokenizer, self.end)
+        if start is None or end is None:
+            return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        stop = token_ids.index(end) if end in token_ids else len(token_ids)
+        begin = token_ids.index(start, 0, stop) + 1 if start in token_ids[:stop] else 0
+        return stop - begin
+
+
+@functools.lru_cache(maxsize=16)
+def tag_token_id(tokenizer, tag: str) -> int | None:
+    """``tag``'s id in ``tokenizer`` if it is one token, else None (found once per tokenizer)."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def last_index(ids: list[int], token: int) -> int:
+    """Where ``token`` last occurs in ``ids`` (-1: nowhere)."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
+
+
+def grammar_after_reasoning(params, parser: ReasoningParser | None, tokenizer, prompt_ids: list[int]) -> None:
+    """Start the grammar of ``params`` (a request's SamplingParams), if it has one, after the
+    reasoning (StructuredOutputsParams.reasoning_end_token_id): what vLLM does with a
+    reasoning parser. (The spec is replaced, not changed: a tool's may be shared. The params
+    are the request's own, and set in place: built again, a whole vocabulary's logprobs
+    would fail SamplingParams' own check.)"""
+    if parser is None or params.structured_outputs is None:
+        return
+    end = parser.grammar_start(tokenizer, prompt_ids)
+    if end is not None:
+        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end_token_id=end)
 
 
 REASONING_PARSERS = {

@@ -7,8 +7,8 @@ import uuid
 from fastapi import Request
 
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.server.protocol import ChatCompletionRequest, chat_logprobs, now, prompt_logprobs
-from minivllm.server.reasoning import ReasoningAnswer, reasoning_parser
+from minivllm.server.protocol import ChatCompletionRequest, chat_logprobs, now, prompt_logprobs, usage
+from minivllm.server.reasoning import ReasoningAnswer, grammar_after_reasoning, reasoning_parser
 from minivllm.server.serving_engine import OpenAIServingGeneration
 from minivllm.server.streaming import EventStream, stream_events
 from minivllm.server.tools import ToolAnswer, tool_plan
@@ -21,6 +21,8 @@ class OpenAIServingChat(OpenAIServingGeneration):
         watched for a disconnect): a dict, or an event stream with ``stream: true``."""
         params = self.sampling_params(body)
         ids, text = self.truncate(*await self.encode_messages(body), params)
+        parser = reasoning_parser(self.config.reasoning_parser)
+        grammar_after_reasoning(params, parser, self.tokenizer, ids)  # the model reasons freely first
         self.check_prompt(ids, params, "messages", body=body)
         self.check_logprob_entries([len(ids)], params, 1)
         plan = tool_plan(body)
@@ -31,7 +33,6 @@ class OpenAIServingChat(OpenAIServingGeneration):
         outputs = self.start([(ids, text)], params, request_id, request)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name}
         answers: dict[int, ToolAnswer] = {}  # per choice: its tool calls, whole or streamed
-        parser = reasoning_parser(self.config.reasoning_parser)
         reasoning = ReasoningAnswer(parser, text) if parser is not None else None
         choice = functools.partial(self.choice, plan, answers, reasoning, params.logprobs, body)
         if body.stream:
@@ -42,21 +43,33 @@ class OpenAIServingChat(OpenAIServingGeneration):
                 first = [{**f, "prompt_token_ids": ids} for f in first]
             head, streamed = self.live_usage(head, functools.partial(choice, stream=True), body.stream_options,
                                              len(ids))
-            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n))
-        return await self.respond(outputs, request, head, choice, params.n, self.extra_fields(body, params))
+            counted = functools.partial(self.reasoning_usage, reasoning) if reasoning is not None else usage
+            return EventStream(stream_events(outputs, head, streamed, body.stream_options, first=first, n=params.n,
+                                             usage=counted))
+        return await self.respond(outputs, request, head, choice, params.n, self.extra_fields(body, params, reasoning))
 
-    @staticmethod
-    def extra_fields(body: ChatCompletionRequest, params):
+    def extra_fields(self, body: ChatCompletionRequest, params, reasoning: ReasoningAnswer | None = None):
         """The answer's top-level fields beyond OpenAI's: vLLM's prompt_logprobs and
-        prompt_token_ids (one prompt: for the whole response)."""
-        if params.prompt_logprobs is None and not body.return_token_ids:
+        prompt_token_ids (one prompt: for the whole response); with a reasoning parser, the
+        usage with its reasoning tokens (``completion_tokens_details``, as OpenAI's)."""
+        if params.prompt_logprobs is None and not body.return_token_ids and reasoning is None:
             return None
 
         def extra(finals) -> dict:
             fields = {"prompt_logprobs": prompt_logprobs(finals[0])} if params.prompt_logprobs is not None else {}
+            if reasoning is not None:
+                fields["usage"] = self.reasoning_usage(reasoning, *finals)
             return {**fields, "prompt_token_ids": finals[0].prompt_token_ids} if body.return_token_ids else fields
 
         return extra
+
+    def reasoning_usage(self, reasoning: ReasoningAnswer, *finals: RequestOutput) -> dict:
+        """The usage of a finished request (``finals``: its prompts' last outputs), its
+        completions' reasoning tokens counted."""
+        parser = reasoning.parser
+        count = sum(parser.reasoning_tokens(self.tokenizer, c.token_ids, parser.split(reasoning.prompt_text, c.text)[0])
+                    for output in finals for c in output.outputs)
+        return usage(*finals, reasoning_tokens=count)
 
     def choice(self, plan: ToolPlan | None, answers: dict[int, ToolAnswer], reasoning: ReasoningAnswer | None,
                k: int | None, body, index: int,

@@ -6,7 +6,8 @@ a system message, then the input's messages, function calls and their outputs; t
 ``--reasoning-parser``, a ``reasoning`` item first (``server.reasoning``); a ``message``
 holding one ``output_text`` part for the text; and a ``function_call`` item per tool call
 (read from the text as chat reads it, ``server.tools.ToolAnswer``). ``usage`` counts input and
-output tokens, and ``status`` is "incomplete" when ``max_output_tokens`` cut it short.
+output tokens (the reasoning's among them), and ``status`` is "incomplete" when
+``max_output_tokens`` cut it short.
 
 Streamed, it is OpenAI's event sequence: ``response.created``, ``response.in_progress``, then
 per item ``response.output_item.added``, its deltas (``response.reasoning_text.delta``,
@@ -27,7 +28,7 @@ from fastapi.responses import Response
 from minivllm.outputs import RequestOutput
 from minivllm.server.async_engine import EngineDeadError, RequestFailedError
 from minivllm.server.protocol import ResponsesRequest, now
-from minivllm.server.reasoning import ReasoningSplitter, reasoning_parser
+from minivllm.server.reasoning import ReasoningSplitter, grammar_after_reasoning, reasoning_parser
 from minivllm.server.serving_engine import OpenAIServingGeneration
 from minivllm.server.streaming import EventStream, final_outputs, merged
 from minivllm.server.tools import ToolAnswer, tool_plan
@@ -39,6 +40,8 @@ class OpenAIServingResponses(OpenAIServingGeneration):
         chat = body.chat_request()
         params = self.sampling_params(chat)
         ids, text = self.truncate(*await self.encode_messages(chat), params)
+        parser = reasoning_parser(self.config.reasoning_parser)
+        grammar_after_reasoning(params, parser, self.tokenizer, ids)  # the model reasons freely first
         self.check_prompt(ids, params, "input", body=chat)
         plan = tool_plan(chat)
         response_id = f"resp_{uuid.uuid4().hex}"
@@ -54,8 +57,7 @@ class OpenAIServingResponses(OpenAIServingGeneration):
                  "text": {"format": (body.text or {}).get("format", {"type": "text"})},
                  "metadata": body.metadata or {}, "error": None, "incomplete_details": None, "user": body.user}
         answer = ToolAnswer(plan, self.config.tool_call_parser) if plan is not None and plan.mode != "none" else None
-        parser = reasoning_parser(self.config.reasoning_parser)
-        items = ResponseItems(answer, parser.splitter(text) if parser is not None else None)
+        items = ResponseItems(answer, parser.splitter(text) if parser is not None else None, self.tokenizer)
         if body.stream:
             return EventStream(response_events(outputs, shell, items))
         finals = await final_outputs(outputs, request)
@@ -81,11 +83,13 @@ class ResponseItems:
     stream about them (``events``, taken by the stream as they come). ``splitter``: how the
     reasoning, if any, is told from the rest (``--reasoning-parser``; it becomes a
     ``reasoning`` item first); ``answer``: how the rest splits into content and tool calls
-    (None: no tools, all of it is content)."""
+    (None: no tools, all of it is content); ``tokenizer``: the model's, to count the
+    reasoning's tokens (needed with a splitter)."""
 
-    def __init__(self, answer: ToolAnswer | None, splitter: ReasoningSplitter | None = None):
+    def __init__(self, answer: ToolAnswer | None, splitter: ReasoningSplitter | None = None, tokenizer=None):
         self.answer = answer
         self.splitter = splitter
+        self.tokenizer = tokenizer
         self.reasoning: dict | None = None  # the reasoning item open now (its text is self.thought)
         self.thought = ""
         self.items: list[dict] = []  # in output order, open or done
@@ -111,6 +115,12 @@ class ResponseItems:
             self._text(delta["content"])
         for call in delta.get("tool_calls", ()):
             self._call(call)
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of the output's tokens (``token_ids``, the whole output) are its reasoning."""
+        if self.splitter is None:
+            return 0
+        return self.splitter.parser.reasoning_tokens(self.tokenizer, token_ids, self.splitter.reasoning_text())
 
     def _where(self, item_id: str) -> dict:
         return {"item_id": item_id, "output_index": next(i for i, item in enumerate(self.items)
@@ -206,10 +216,11 @@ def finished(shell: dict, items: ResponseItems, output: RequestOutput) -> dict:
     """The whole response, its request finished and its items closed."""
     cut = output.outputs[0].finish_reason == "length"
     prompt, generated = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+    reasoning = items.reasoning_tokens(output.outputs[0].token_ids)
     return {**shell, "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "output": items.items,
             "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
-                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                       "total_tokens": prompt + generated}}
 
 

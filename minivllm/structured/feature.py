@@ -5,10 +5,13 @@
     admit     before scheduling, requests whose grammar has compiled join the scheduler's
               queue (one that could not be compiled fails alone, finish_reason "error")
     mask      before the model runs, the batch's token bitmask: what each row's grammar allows
+              (everything, while a reasoning model reasons: its grammar starts after the
+              reasoning's end token, StructuredOutputsParams.reasoning_end_token_id)
     defer     under asynchronous scheduling a grammar may need the token the step in flight
               sampled: the forward pass goes on the device now and the sampling waits for
               the mask (minivllm.engine.overlap samples it once that token is known)
-    accept    after sampling, each grammar advances by its token, all at once
+    accept    after sampling, each grammar advances by its token, all at once (a grammar not
+              started yet only looks for the token that starts it)
 
 The engine builds this feature when the first constrained request arrives; until then none of
 this runs."""
@@ -68,9 +71,10 @@ class StructuredOutputs(StepFeature):
         """Each completion of a request walks the grammar on its own."""
         from minivllm.structured.matcher import GrammarState
 
-        token_filter = self.compiler().token_filter(group[0].seq.sampling_params.structured_outputs)
+        spec = group[0].seq.sampling_params.structured_outputs
+        token_filter = self.compiler().token_filter(spec)
         for request in group:
-            request.grammar = GrammarState(compiled, token_filter)
+            request.grammar = GrammarState(compiled, token_filter, waits_for=spec.reasoning_end_token_id)
 
     def before_schedule(self) -> list:
         """Queue the requests whose grammar has compiled; fail those whose grammar could not
@@ -99,7 +103,8 @@ class StructuredOutputs(StepFeature):
 
     def prepare(self, step) -> None:
         """The step's token mask; or, when a grammar needs a token still on the device, ask
-        for the sampling to wait for the mask (step.mask_later)."""
+        for the sampling to wait for the mask (step.mask_later). A grammar waiting for the end
+        of a reasoning needs it too: that token may be the one that starts it."""
         constrained = [r for r in step.requests if r.grammar is not None]
         if not constrained:
             return
@@ -110,12 +115,13 @@ class StructuredOutputs(StepFeature):
 
     def bitmask(self, requests: list):
         """The tokens each sampled row's grammar allows next (every token for a row without
-        one, or whose request has ended), on the host; None when no row's grammar has
-        anything left to say (the sampler then needs no mask). Written into buffers kept
-        from step to step (pinned on a GPU, so that the upload copies nothing first)."""
+        one, whose grammar has not started, or whose request has ended), on the host; None
+        when no row's grammar has anything to say (the sampler then needs no mask). Written
+        into buffers kept from step to step (pinned on a GPU, so that the upload copies
+        nothing first)."""
         from minivllm.structured.matcher import BitmaskBuffers, fill_bitmask
 
-        states = [None if r.grammar is None or r.seq.is_finished or r.grammar.is_terminated else r.grammar
+        states = [None if r.grammar is None or r.seq.is_finished or not r.grammar.constrains else r.grammar
                   for r in requests]
         if not any(states):
             return None

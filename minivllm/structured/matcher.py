@@ -6,7 +6,8 @@ A row without a grammar gets every bit set (the kernel leaves it as it is). A ma
 has accepted its stop token (its grammar is complete and the model said so) has nothing left
 to allow: its row is all ones too — that row's token is thrown away, because its request has
 finished (this happens under asynchronous scheduling, when the next step was computed before
-the host knew that the request ended).
+the host knew that the request ended). So is the row of a reasoning model still reasoning: its
+grammar starts after the reasoning's end token (``GrammarState.waits_for``).
 
 Preemption needs nothing here: this engine recomputes a preempted sequence from its tokens,
 which it keeps, and its matcher has accepted exactly those tokens; ``rebuild`` makes a
@@ -21,7 +22,7 @@ import torch
 class GrammarState:
     """Where one sequence stands in its grammar."""
 
-    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None):
+    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None, waits_for: int | None = None):
         import xgrammar as xgr
 
         self.compiled = compiled_grammar
@@ -34,12 +35,30 @@ class GrammarState:
         # mask reads this for every row at every step: a call into xgrammar each).
         self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
         self.is_terminated = False
+        # A reasoning model's grammar starts after its end-of-reasoning token (</think>,
+        # StructuredOutputsParams.reasoning_end_token_id): until the sequence samples it, its
+        # tokens are free (its bitmask row allows everything) and the matcher sees none of them,
+        # nor that token. None: the grammar has started.
+        self.waits_for = waits_for
+
+    @property
+    def constrains(self) -> bool:
+        """Does the grammar decide what may come next: started, and not ended?"""
+        return self.waits_for is None and not self.is_terminated
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (and no change) if the grammar does not allow it."""
+        if self.waits_for is not None:
+            self._wait(token)
+            return True
         ok = self.matcher.accept_token(token)
         self._accepted(token, ok)
         return ok
+
+    def _wait(self, token: int) -> None:
+        """A token before the grammar starts: the one it waits for starts it at the next."""
+        if token == self.waits_for:
+            self.waits_for = None
 
     def _accepted(self, token: int, ok: bool) -> None:
         self.num_accepted += ok
@@ -48,15 +67,16 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
-        if not self.is_terminated:
+        if self.constrains:
             self.matcher.fill_next_token_bitmask(bitmask, row)
             if self.token_filter is not None:
                 bitmask[row] &= self.token_filter
 
     @classmethod
-    def rebuild(cls, compiled_grammar, token_ids: list[int]) -> "GrammarState":
-        """A matcher that has accepted ``token_ids``; ValueError if the grammar refuses one."""
-        state = cls(compiled_grammar)
+    def rebuild(cls, compiled_grammar, token_ids: list[int], waits_for: int | None = None) -> "GrammarState":
+        """A matcher that has accepted ``token_ids`` (the grammar starting after ``waits_for``,
+        if given); ValueError if the grammar refuses one."""
+        state = cls(compiled_grammar, waits_for=waits_for)
         for i, token in enumerate(token_ids):
             if not state.accept(token):
                 raise ValueError(f"token {token} (output position {i}) is not allowed by the grammar")
@@ -98,27 +118,34 @@ def accept_tokens(states: list[GrammarState], tokens: list[int]) -> list[bool]:
     path). A state that refuses its token is left as it was, as ``accept`` leaves it."""
     if len(states) < BATCH_FILL_ROWS:
         return [state.accept(token) for state, token in zip(states, tokens)]
-    oks = _batch_matcher().batch_accept_token([state.matcher for state in states], tokens)
-    for state, token, ok in zip(states, tokens, oks):
-        state._accepted(token, ok)
+    started = [i for i, state in enumerate(states) if state.waits_for is None]
+    for state, token in zip(states, tokens):
+        if state.waits_for is not None:  # (its grammar has not started: nothing to ask the matcher)
+            state._wait(token)
+    oks = [True] * len(states)
+    accepted = _batch_matcher().batch_accept_token([states[i].matcher for i in started],
+                                                   [tokens[i] for i in started]) if started else []
+    for i, ok in zip(started, accepted):
+        states[i]._accepted(tokens[i], ok)
+        oks[i] = ok
     return oks
 
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The batch's bitmask on the host: [rows, ceil(vocab / 32)] int32, -1 (every bit set)
-    where a row has no grammar or its grammar has ended. Written into ``out`` when given
-    (a buffer kept from step to step, ``BitmaskBuffers``): every row is written, whatever
-    the buffer held before."""
+    where a row has no grammar, or its grammar has not started (a reasoning) or has ended.
+    Written into ``out`` when given (a buffer kept from step to step, ``BitmaskBuffers``):
+    every row is written, whatever the buffer held before."""
     words = bitmask_words(vocab_size)
     if out is None:
         out = torch.full((len(states), words), -1, dtype=torch.int32)
     elif out.shape != (len(states), words) or out.dtype != torch.int32:
         raise ValueError(f"out must be int32 [{len(states)}, {words}], got {out.dtype} {tuple(out.shape)}")
     else:
-        dead = [row for row, state in enumerate(states) if state is None or state.is_terminated]
+        dead = [row for row, state in enumerate(states) if state is None or not state.constrains]
         if dead:
             out[dead] = -1
-    live = [(row, state) for row, state in enumerate(states) if state is not None and not state.is_terminated]
+    live = [(row, state) for row, state in enumerate(states) if state is not None and state.constrains]
     if len(live) >= BATCH_FILL_ROWS:
         # (xgrammar writes every word of a row it fills.)
         _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], out, [r for r, _ in live])

@@ -2,6 +2,12 @@
 fields. Exactly one of ``json`` (a JSON schema), ``regex``, ``choice``, ``grammar`` (EBNF,
 xgrammar's dialect, with a ``root`` rule) and ``json_object`` (any JSON object).
 
+``reasoning_end_token_id`` says when the constraint starts: a reasoning model thinks first, in
+free text, and only what follows its end-of-reasoning token (Qwen3's ``</think>``) must follow
+the grammar. It belongs here rather than on SamplingParams because it means nothing without a
+grammar; the server sets it (``--reasoning-parser``, ``server.reasoning``) for prompts that
+leave the model to reason, as vLLM starts a grammar after the reasoning parser's end token.
+
 Checked here for its shape (types, one constraint, sizes); whether the schema, regex or
 grammar itself is valid is the compiler's question, asked when the engine takes the request.
 """
@@ -26,6 +32,9 @@ class StructuredOutputsParams:
     # No free whitespace between JSON tokens (", " and ": " only), unlike vLLM's default:
     # a small model inside a grammar that allows whitespace anywhere may emit it forever.
     disable_any_whitespace: bool = True
+    # The grammar starts after the output's first sampling of this token (a reasoning model's
+    # </think>): the tokens before it, and it, are free. None: the grammar holds from the first token.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self):
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]
@@ -49,6 +58,9 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         _require(self.json_object in (None, True, False), "json_object", "a bool")
         _require(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace", "a bool")
+        end = self.reasoning_end_token_id
+        _require(end is None or (isinstance(end, int) and not isinstance(end, bool) and end >= 0),
+                 "reasoning_end_token_id", "a token id (an int >= 0) or None")
 
     @property
     def kind(self) -> str:
