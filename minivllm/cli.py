@@ -95,7 +95,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        choices=["critical", "error", "warning", "info", "debug", "trace"], help="default: info")
     group.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="a reasoning model's <think> text goes to the answer's reasoning (and reasoning_content) "
-                            "field, apart from its content (default: it stays in the content)")
+                            "field, apart from its content, and a chat request's grammar (response_format, tools) "
+                            "starts after </think> (default: it stays in the content)")
     for name, (kwargs, alias) in VLLM_FLAGS.items():
         flags = ["--" + name.replace("_", "-")] + ([alias] if alias else [])
         help_text = (f"accepted, changes nothing: {ACCEPTED_VLLM_ARGS[name]}" if name in ACCEPTED_VLLM_ARGS else

@@ -745,13 +745,18 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
 # -- responses -------------------------------------------------------------------------
 
 
-def usage(*outputs: RequestOutput) -> dict:
-    """The usage of one request, or the sum over a batch's (every completion counted)."""
+def usage(*outputs: RequestOutput, reasoning_tokens: int | None = None) -> dict:
+    """The usage of one request, or the sum over a batch's (every completion counted);
+    ``reasoning_tokens`` (with a reasoning parser): how many of the completions' tokens were
+    reasoning, in ``completion_tokens_details`` as OpenAI's and vLLM's answers say it."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    counted = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counted
 
 
 def completion_logprobs(completion: CompletionOutput, k: int, start: int = 0, offset: int = 0,

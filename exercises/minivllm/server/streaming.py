@@ -103,11 +103,14 @@ async def merged(outputs: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def stream_events(outputs: list, head: dict, choice, stream_options, first: list | None = None, n: int = 1):
+async def stream_events(outputs: list, head: dict, choice, stream_options, first: list | None = None, n: int = 1,
+                        usage=usage):
     """The SSE events of one streaming request: a chunk per output of each of its prompts,
     with a choice for each completion that moved (the text and tokens new since its last
-    chunk, under index prompt * n + completion), the usage if asked for, then [DONE]. If the
-    engine fails the request, or dies, the stream says so in an error event before its [DONE].
+    chunk, under index prompt * n + completion), the usage if asked for (``usage``: what
+    counts it from the last outputs; a chat with a reasoning parser counts the reasoning's
+    tokens too), then [DONE]. If the engine fails the request, or dies, the stream says so
+    in an error event before its [DONE].
 
     The last chunk, the usage and [DONE] go in one write: each write is a system call and a
     packet, and a request's stream is a few of them per token at most."""
