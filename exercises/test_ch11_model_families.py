@@ -224,6 +224,8 @@ def test_ch11_scaled_embedding_float32():
     from minivllm.layers.embed_head import ScaledVocabEmbedding
 
     emb = ScaledVocabEmbedding(5, 9)
+    with torch.no_grad():  # the layer is born with torch.empty: give it real numbers, never NaN
+        emb.weight.copy_(torch.randn(5, 9, generator=torch.Generator().manual_seed(11)))
     ids = torch.tensor([4, 0, 4])
     torch.testing.assert_close(emb(ids), emb.weight[ids] * 3.0, msg="an embedding row times sqrt(hidden_size)")
 
