@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import prompt_logprobs
 from minivllm.llm import BUNDLED_MODEL
 from minivllm.testing import make_tiny_checkpoint
 
@@ -75,7 +75,7 @@ def test_a_long_prompt_over_a_large_vocabulary_costs_a_slice_of_logits(tmp_path)
     plain, _ = peak_extra(SamplingParams(temperature=0, max_tokens=1))
     scored, out = peak_extra(SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20))
     full = len(prompt) * vocab * 4
-    rows = model_runner.PROMPT_LOGITS_ELEMENTS // vocab
+    rows = prompt_logprobs.PROMPT_LOGITS_ELEMENTS // vocab
     print(f"extra peak: {plain / 2**20:.0f} MiB plain, {scored / 2**20:.0f} MiB scoring "
           f"({rows} rows a slice; all the logits at once: {full / 2**20:.0f} MiB)")
     assert scored - plain < full / 4

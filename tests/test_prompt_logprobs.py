@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import prompt_logprobs
 from minivllm.llm import BUNDLED_MODEL
 from minivllm.sampling_params import MAX_LOGPROBS, InvalidParameter
 
@@ -79,7 +79,7 @@ def test_logits_of_a_chunk_are_computed_a_slice_at_a_time(reference, monkeypatch
     all at once, and give the same scores."""
     llm = LLM(dtype="float32", num_kv_blocks=64, block_size=8)
     vocab = llm.engine.runner.model_config.vocab_size
-    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ELEMENTS", 3 * vocab)
+    monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGITS_ELEMENTS", 3 * vocab)
     model = llm.engine.runner.model
     rows_per_call = []
     compute_logits = model.compute_logits

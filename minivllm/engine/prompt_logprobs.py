@@ -7,9 +7,44 @@ token instead, the sampler's row. The runner scores the runs of positions this f
 in order, once they are on the host."""
 import logging
 
+import torch
+
+from minivllm.layers.sampler import SampledTokens
 from minivllm.step_hooks import StepFeature, is_live
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs score many rows at once (a whole prompt chunk): their logits are computed
+# in slices of at most this many elements (rows x vocabulary, 64 MiB in float32), so the
+# memory they take does not grow with the chunk. A slice fits in the share of the card that
+# gpu_memory_utilization leaves unassigned; the warm-up does not measure it.
+PROMPT_LOGITS_ELEMENTS = 2**24
+
+
+def score_prompt_rows(model, hidden: torch.Tensor, ctx) -> tuple[torch.Tensor, ...]:
+    """For each prompt row: the prompt token after it, that token's log-probability, its
+    rank (1 = most likely) and the ``ctx.prompt_top_k`` most likely tokens with theirs,
+    as the sampler reports a sampled token's (from the model's raw logits). Computed a
+    slice of rows at a time (PROMPT_LOGITS_ELEMENTS), so that a long chunk never holds
+    all its logits at once."""
+    rows, targets, k = ctx.prompt_logits_indices, ctx.prompt_targets, ctx.prompt_top_k
+    per_slice = max(1, PROMPT_LOGITS_ELEMENTS // model.config.vocab_size)
+    parts = []
+    for start in range(0, rows.shape[0], per_slice):
+        logits = model.compute_logits(hidden[rows[start : start + per_slice]], all_tokens=True)
+        logprobs = logits.float().log_softmax(dim=-1)
+        chosen = logprobs.gather(-1, targets[start : start + per_slice].unsqueeze(-1))
+        rank = (logprobs > chosen).sum(dim=-1) + 1
+        top = logprobs.topk(k, dim=-1)
+        parts.append((chosen.squeeze(-1), rank, top.indices, top.values))
+    return (targets, *(torch.cat(p) for p in zip(*parts)))
+
+
+def as_sampled_tokens(scores: tuple[torch.Tensor, ...]) -> SampledTokens:
+    """The prompt rows' scores in the sampler's shape, as if each scored prompt token had been
+    sampled there (their copy to the host under way)."""
+    targets, chosen, rank, top_ids, top_values = scores
+    return SampledTokens(targets, (chosen, rank, top_ids, top_values), [top_ids.shape[1]] * targets.shape[0])
 
 
 class PromptLogprobs(StepFeature):

@@ -7,20 +7,29 @@ after a warm-up forward pass has shown the activations' peak; on the CPU it come
 configured size. The pool is one tensor, allocated once: [2 (k, v), num_layers, num_blocks,
 block_size, num_kv_heads, head_dim], in the cache's dtype (EngineConfig.kv_cache_dtype); each
 attention layer gets a view of its slice.
+
+``RunnerStartup`` holds these steps as the model runner's methods (``ModelRunner`` derives
+from it), so that ``engine.model_runner`` holds only what runs at every step.
 """
 import logging
 import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.context import reset_context, set_context
-from minivllm.engine.step_inputs import StepInputs
+from minivllm.distributed.parallel_state import get_tp_world_size, min_over_ranks
+from minivllm.engine.cuda_graphs import DECODE, CudaGraphDispatcher, CudaGraphs
+from minivllm.engine.state_pool import allocate_state_pools, check_state_pools_fit, state_slot_bytes
+from minivllm.engine.step_inputs import PinnedStaging, StepInputs
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import lm_heads
 from minivllm.layers.linear import linear_layers
+from minivllm.ops.attention import is_fp8
+from minivllm.sampling_params import SamplingParams
 
 # The sizes of the eager steps that compile_steps lays out, in tokens.
 COMPILE_STEP_TOKENS = (4, 256, 2048)
@@ -196,3 +205,148 @@ def warm_matmuls(model, config: EngineConfig, device: torch.device) -> None:
             torch.nn.functional.linear(x[:m, : weight.shape[1]], weight)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class RunnerStartup:
+    """The model runner's start-up, as methods of ``ModelRunner`` (which derives from this
+    class; its ``__init__`` calls them in order): the state pools, the KV pool and the
+    longest sequence it allows, the CUDA graphs, the compiling steps and the warm matmuls.
+    None of it runs again once the engine steps."""
+
+    def _pinned_staging(self) -> PinnedStaging | None:
+        if not (self.config.async_scheduling and self.device.type == "cuda"):
+            return None
+        width = -(-self.max_model_len // self.block_size)
+        return PinnedStaging.for_steps(self.config.max_num_batched_tokens, self.config.max_num_seqs, width)
+
+    def _prepare_gpu(self) -> None:
+        """Capture the CUDA graphs (unless enforce_eager), compile the eager steps' kernels and
+        warm the matmuls, so that a user's first steps run at speed."""
+        if not self.config.enforce_eager:
+            self.capture_cudagraphs()
+        with self._startup_phase("compile_kernels"):
+            self.compile_kernels()
+        with self._startup_phase("warm_matmuls"):
+            self.warm_matmuls()
+
+    def _arm_kv_scales(self) -> None:
+        """calculate_kv_scales on an fp8 cache: every attention layer sets its scales from the
+        first real step's keys and values. Armed here, after the start-up's passes (the
+        warm-up, the graph captures, the compiling steps), whose dummy tokens would set them
+        otherwise; that first step runs eagerly (``_execute_first_step_eagerly``)."""
+        if not (self.config.calculate_kv_scales and is_fp8(self.config.cache_dtype)):
+            return
+        for layer in self.layers:
+            layer.calculate_kv_scales_on_next_store()
+        self.execute = self._execute_first_step_eagerly
+
+    def _execute_first_step_eagerly(self, input_ids: torch.Tensor,
+                                    positions: torch.Tensor) -> tuple[torch.Tensor | None, tuple | None]:
+        """``execute`` for the first step after ``_arm_kv_scales``, without CUDA graphs: a
+        replay runs no Python, so the layers' hooks would not see its keys. It then hands
+        ``execute`` back to the class's method: later steps check nothing."""
+        del self.execute
+        graphs, self.cudagraphs = self.cudagraphs, CudaGraphs(CudaGraphDispatcher())
+        try:
+            return self.execute(input_ids, positions)
+        finally:
+            self.cudagraphs = graphs
+
+    def _startup_phase(self, name: str):
+        return timed_phase(self.startup_seconds, name, self.device)
+
+    def _allocate_state_pools(self) -> int:
+        """Every linear-attention layer's state pools; the bytes one slot takes in all of them."""
+        # Speculative decoding keeps k more states per slot, to roll a rejection back to.
+        spec = self.config.speculative
+        num_spec_states = spec.num_speculative_tokens if spec is not None else 0
+        if self.state_layers and self.device.type == "cuda":
+            check_state_pools_fit(state_slot_bytes(self.state_layers, self.config.dtype, num_spec_states),
+                                  self.num_state_slots, torch.cuda.mem_get_info(self.device)[0], num_spec_states)
+        return allocate_state_pools(self.state_layers, self.num_state_slots, self.config.dtype, self.device,
+                                    num_spec_states)
+
+    @property
+    def block_bytes(self) -> int:
+        return kv_block_bytes(self.layers, self.block_size, self.config.cache_dtype)
+
+    def _allocate_kv_cache(self) -> int:
+        config, per_block = self.config, self.block_bytes + self.draft_block_bytes
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = blocks_that_fit_on_gpu(self.model, config, self.device, per_block, self.memory_budget)
+        else:
+            num_blocks = int(config.cpu_kv_cache_space * 2**30) // per_block
+        num_blocks = min_over_ranks(num_blocks)  # tensor parallelism: every rank's pool the same size
+        if num_blocks < 1:
+            gib = {k: round(v / 2**30, 2) if k != "gpu_memory_utilization" else v
+                   for k, v in self.memory_budget.items()}
+            raise RuntimeError(
+                f"no memory left for the KV cache (one block needs {per_block} bytes; GiB: {gib}); "
+                "raise gpu_memory_utilization or cpu_kv_cache_space, or set num_kv_blocks"
+            )
+        self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, config.cache_dtype, self.device)
+        return num_blocks
+
+    def _max_model_len(self) -> int:
+        """A sequence can never grow past the model's positions (asking for more is an
+        error), nor past the whole pool (a small pool shortens it, and says so)."""
+        self.config.check_max_model_len(self.model_config)
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        max_model_len = min(limit, self.num_kv_blocks * self.block_size)
+        # A warning only when the caller asked for that length; the model's own limit being
+        # cut by a small pool (a CPU, a test) is the usual case, not news.
+        if max_model_len < limit and self.config.max_model_len is not None:
+            logger.warning("max_model_len is %d, not %d: the KV pool holds only %d blocks of %d tokens (raise "
+                           "gpu_memory_utilization, cpu_kv_cache_space or num_kv_blocks for more)",
+                           max_model_len, limit, self.num_kv_blocks, self.block_size)
+        return max_model_len
+
+    def capture_cudagraphs(self) -> None:
+        """Capture the CUDA graphs this engine replays (minivllm.engine.cuda_graphs): the
+        decode graphs, and on one device the prefill and verify graphs."""
+        spec = self.config.speculative
+        dispatcher = CudaGraphDispatcher.plan(
+            self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
+            spec.num_speculative_tokens if spec is not None else None, hybrid=bool(self.state_layers),
+            tensor_parallel=get_tp_world_size() > 1)
+        self.cudagraphs = CudaGraphs(dispatcher, hybrid=bool(self.state_layers))
+        max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        self.cudagraphs.capture(self.model, max_blocks, self.max_model_len, self.model_config.hidden_size,
+                                self.config.dtype, self.device, self._startup_phase)
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """The decode graphs, by batch size (empty: decode steps run eagerly)."""
+        return self.cudagraphs.of_kind(DECODE)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes that have a graph, ascending."""
+        return self.cudagraphs.dispatcher.sizes.get(DECODE, [])
+
+    @torch.inference_mode()
+    def compile_kernels(self) -> None:
+        """Run each kind of eager step once (``runner_startup.compile_steps``), so that Triton
+        compiles its kernels here and not inside the user's first run, then the sampler's.
+        The kernels do not specialise on what varies from step to step (``do_not_specialize``,
+        aligned fields), so these steps reach every variant a run can. They write into the
+        first KV blocks and state slots, which hold nothing yet."""
+        limit = min(self.config.max_num_batched_tokens, self.max_model_len)
+        logits = None
+        for step in compile_steps(self.block_size, limit, self.max_model_len, self.config.max_num_seqs,
+                                  self.num_kv_blocks, decode_graphs=bool(self.graphs)):
+            input_ids, positions = self.upload_on_this_rank(step)
+            if self.state_layers:  # slots 0.., starting from zeros
+                self._set_state_slots(np.array([range(step.num_seqs), [0] * step.num_seqs], dtype=np.int64))
+            logits, _ = self.execute(input_ids, positions)
+        if logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
+            rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
+            self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warm_matmuls(self) -> None:
+        """Run every matmul at the row counts a run can give it (``runner_startup.warm_matmuls``)."""
+        warm_matmuls(self.model, self.config, self.device)
