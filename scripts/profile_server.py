@@ -58,9 +58,11 @@ class PacedEngine:
     the pace."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], limits, step_s: float, max_num_batched_tokens: int):
+        from minivllm.engine.input_processor import InputProcessor
         from minivllm.engine.output_processor import OutputProcessor
 
-        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, limits.max_model_len, limits.vocab_size)
+        self.input_processor = InputProcessor(tokenizer, eos_token_ids, limits.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids, limits.max_model_len)
         self.limits, self.step_s, self.budget = limits, step_s, max_num_batched_tokens
         specials = set(tokenizer.all_special_ids)
         self.vocab = [t for t in range(min(limits.vocab_size, len(tokenizer))) if t not in specials]
@@ -79,7 +81,7 @@ class PacedEngine:
         if params.n != 1:
             raise ValueError("the paced engine gives one completion per request")
         seq = Sequence(prompt_token_ids, params, request_id)
-        request = self.output_processor.new_request(seq, prompt, None, stream)
+        request = self.input_processor.new_request(seq, prompt, None, stream)
         request.detokenizer = None  # the text is looked up per token (see the class's docstring)
         request.group = [request]
         self.requests[request_id] = request

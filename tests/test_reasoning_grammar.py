@@ -59,7 +59,7 @@ def checkpoint(tmp_path_factory):
 def script(engine, tokens: list[int]):
     """Make each request's first output tokens ``tokens`` (every other token banned there);
     after them the model, and its grammar, decide. Returns the list, to change per test."""
-    processor, vocab = engine.output_processor, engine.runner.model_config.vocab_size
+    processor, vocab = engine.input_processor, engine.runner.model_config.vocab_size
     original = type(processor).banned.__get__(processor)  # (not an earlier script's)
 
     def banned(request, position: int = 0) -> list[int]:

@@ -220,7 +220,7 @@ def test_bad_words_through_the_engine(llms):
     single = tok.decode([greedy[0]])
     for bad in ([word], [single.strip() or single]):
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=bad)
-        banned = [w for w in llms[0].engine.output_processor.bad_word_ids(params)]
+        banned = [w for w in llms[0].engine.input_processor.bad_word_ids(params)]
         outs = [llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids for llm in llms]
         assert outs[0] == outs[1]
         assert outs[0] != greedy

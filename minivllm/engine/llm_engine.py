@@ -18,6 +18,11 @@ feature joins the step beside it, not inside it (the book's architecture page dr
   the step; one joins ``self.features`` when the first request asks for it, so a feature
   nobody uses runs none of its code;
 - the step's totals and its record for plots are ``minivllm.engine.trace``.
+
+The engine's life around its steps (building its parts, the checks a front end runs before
+queueing, shutting down, the statistics) is ``minivllm.engine.engine_base.EngineBase``, the
+class it derives from; what a request needs worked out once, when it arrives, is
+``minivllm.engine.input_processor``.
 """
 import itertools
 import logging
@@ -28,9 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.config import EngineConfig, generation_defaults
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.engine_args import create_engine_config
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.engine_base import EngineBase
+from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.overlap import OverlappedStep
 from minivllm.engine.parallel_sampling import ParallelSampling, new_group
@@ -39,7 +43,6 @@ from minivllm.engine.request_limits import RequestLimits, truncated
 from minivllm.engine.sampler_inputs import sampler_inputs
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.engine.trace import StepTrace, num_prefill_tokens, profiler_range
 from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
@@ -48,7 +51,6 @@ from minivllm.spec_decode.feature import Speculation
 from minivllm.spec_decode.proposer import make_proposer
 from minivllm.step_hooks import StepFeature, is_live
 from minivllm.structured.feature import StructuredOutputs
-from minivllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class LaunchedStep:
         return {r.seq.seq_id: row + len(d) for r, row, d in zip(self.requests, self.first_rows, self.drafts)}
 
 
-class LLMEngine:
+class LLMEngine(EngineBase):
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer
@@ -116,8 +118,8 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
-                                                model_config.vocab_size)
+        self.input_processor = InputProcessor(tokenizer, self.eos_token_ids, model_config.vocab_size)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.limits = RequestLimits(model_config.vocab_size, self.max_model_len, self.runner.num_kv_blocks,
                                     config.block_size, config.max_num_seqs, bool(self.runner.num_state_slots),
                                     self.speculative is not None)
@@ -128,26 +130,11 @@ class LLMEngine:
         # Asynchronous scheduling (chapter 17): the overlapped step, chosen once, here.
         self.overlap = OverlappedStep(self) if config.async_scheduling else None
 
-    def _make_runner(self, proposer):
-        if self.config.tensor_parallel_size > 1:
-            # One process per rank; this one is rank 0 and drives the others (chapter 16).
-            from minivllm.engine.tp_worker import TensorParallelRunner
-
-            return TensorParallelRunner(self.config)
-        return ModelRunner(self.config, proposer.block_bytes if proposer is not None else 0)
-
-    def _make_block_manager(self):
-        if self.runner.num_state_slots:
-            # Hybrid model: a state slot per sequence besides its blocks; no prefix caching
-            # (see minivllm.engine.state_pool for why).
-            return HybridCacheManager(self.runner.num_kv_blocks, self.config.block_size, self.runner.num_state_slots)
-        return BlockManager(self.runner.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
-
     def _make_features(self, proposer) -> None:
         """The features beside the step, in the order the step calls them; each joins
         ``self.features`` when the first request asks for it (speculation: at start-up)."""
         self.parallel_sampling = ParallelSampling(self.scheduler, self.block_manager)
-        self.prompt_logprobs = PromptLogprobs(self.requests, self._state, self.output_processor)
+        self.prompt_logprobs = PromptLogprobs(self.requests, self._state, self.tokenizer)
         self.structured = StructuredOutputs(
             self.tokenizer, self.runner.model_config.vocab_size, self.eos_token_ids,
             self.runner.device.type == "cuda", self.scheduler, self.requests, self.output_processor.make_output,
@@ -166,15 +153,6 @@ class LLMEngine:
         if feature not in self.features:
             self.features = sorted([*self.features, feature], key=lambda f: FEATURES.index(type(f)))
 
-    @classmethod
-    def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> "LLMEngine":
-        """Build an engine from what a user writes: ``LLM(...)``, the server and its
-        engine-core process all call this (minivllm.engine.engine_args checks the arguments)."""
-        config = create_engine_config(model, dtype, device, **engine_args)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        return cls(config, load_tokenizer(config.model))
-
     # -- requests ----------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -189,8 +167,8 @@ class LLMEngine:
         self._check_running()
         params = sampling_params or SamplingParams()
         prompt_token_ids = truncated(prompt_token_ids, params)
-        self.limits.check_request(prompt_token_ids, params, self.output_processor)
-        group = new_group(prompt_token_ids, params, request_id, self.output_processor, self.runner.device,
+        self.limits.check_request(prompt_token_ids, params, self.input_processor)
+        group = new_group(prompt_token_ids, params, request_id, self.input_processor, self.runner.device,
                           prompt, stream)
         first = group[0].seq
         if first.request_id in self.requests:
@@ -205,26 +183,6 @@ class LLMEngine:
         if ready:
             self.scheduler.add(first)
         return first.request_id
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        self.limits.check_prompt(token_ids)
-
-    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (InvalidParameter for a sampling field) for a request this engine
-        would refuse. Reads only fixed sizes, so it is safe beside a running step."""
-        self.limits.check_request(token_ids, params, self.output_processor)
-        self.validate_structured(params)
-
-    def validate_structured(self, params: SamplingParams) -> None:
-        """Compile the request's grammar, if it has one, so that a bad schema or grammar is the
-        caller's error before the request is queued (the compiled grammar is cached for
-        add_request). InvalidParameter names what is wrong."""
-        if params.structured_outputs is not None:
-            self.grammar_compiler().compile(params.structured_outputs)
-
-    def grammar_compiler(self):
-        """The engine's grammar compiler (chapter 18), made when the first request needs it."""
-        return self.structured.compiler()
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -241,29 +199,6 @@ class LLMEngine:
         # (A step still on the device computes only sequences the scheduler holds, or ones
         # that have ended since: nothing is left unfinished by leaving it there.)
         return self.scheduler.has_unfinished() or any(f.has_unfinished() for f in self.features)
-
-    @property
-    def num_compiling(self) -> int:
-        """Requests waiting for their grammar to be compiled (not yet in the scheduler's queue)."""
-        return len(self.structured.compiling)
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any, and give back the device memory
-        (weights, KV pool, CUDA graphs). Unfinished requests are dropped; the engine refuses
-        new work after."""
-        if self.is_shut_down:
-            return
-        self.is_shut_down = True
-        for request_id in list(self.requests):
-            self.abort_request(request_id)
-        for feature in (self.structured, self.speculation):  # (built at start-up, used or not)
-            if feature is not None:
-                feature.shutdown()
-        self.runner.shutdown()
-
-    def _check_running(self) -> None:
-        if self.is_shut_down:
-            raise RuntimeError("this engine has been shut down: build a new LLM to generate again")
 
     # -- the step ----------------------------------------------------------------------
 
@@ -327,7 +262,7 @@ class LLMEngine:
             feature.prepare(step)
         step.lay_out_rows()
         run_start = time.perf_counter()
-        inputs = sampler_inputs(step, self.output_processor, previous)
+        inputs = sampler_inputs(step, self.input_processor, previous)
         if step.mask_later is not None:  # the sampling waits for the mask
             logits, step.prompt_scores = self.runner.forward(batch, step.rows, previous)
             step.deferred = (logits, inputs)
@@ -432,25 +367,3 @@ class LLMEngine:
         """Nothing is scheduled and nothing is on the device."""
         return not self.scheduler.has_unfinished() and self._in_flight() is None
 
-    # -- what the step has done ------------------------------------------------------------
-
-    @property
-    def stats(self) -> dict:
-        return self.tracer.stats
-
-    @property
-    def trace(self) -> list:
-        return self.tracer.records
-
-    @property
-    def num_steps(self) -> int:
-        return self.tracer.num_steps
-
-    @property
-    def proposer(self):
-        """Speculative decoding's proposer (chapter 19), or None."""
-        return self.speculation.proposer if self.speculation is not None else None
-
-    @proposer.setter
-    def proposer(self, proposer) -> None:
-        self.speculation.proposer = proposer

@@ -2,10 +2,10 @@
 checked against the stop conditions — and a request that finished (or streams) becomes a
 ``RequestOutput``.
 
-Everything here is per request and on the host. What can be worked out once is worked out
-when the request arrives (``new_request``): the ids that end it, the ids banned before
-``min_tokens``, the automaton that finds its stop strings. So the cost per token does not
-grow with how many stop strings or stop ids a request carries.
+Everything here is per request and on the host. What can be worked out once was worked out
+when the request arrived (``engine.input_processor``): the ids that end it, the ids banned
+before ``min_tokens``, the automaton that finds its stop strings. So the cost per token does
+not grow with how many stop strings or stop ids a request carries.
 """
 import time
 from dataclasses import dataclass, field
@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.stop_strings import StopStrings, stop_strings
+from minivllm.engine.stop_strings import StopStrings
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
-from minivllm.sampling_params import InvalidParameter, SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -65,57 +64,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-
-    def banned_ids(self, params: SamplingParams) -> list[int]:
-        """The ids that would end a request with these params, which it may not draw before
-        min_tokens. An id the model cannot produce needs no banning (and would index past
-        the logits)."""
-        if not params.min_tokens:
-            return []
-        eos = set() if params.ignore_eos else self.eos_token_ids
-        return sorted({t for t in eos | set(params.stop_token_ids) if t < self.vocab_size})
-
-    def bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word as token ids, as vLLM tokenizes them: as written (with its leading
-        spaces removed), and, where the tokenizer gives a different first token and the same
-        length, after a space too (a word in the middle of a text usually starts with one)."""
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise InvalidParameter("SamplingParams.bad_words needs a tokenizer: this model ships none",
-                                   "bad_words")
-        words = []
-        for word in params.bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            words += [ids for ids in (plain,) if ids]
-            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
-                words.append(spaced)
-        return words
-
-    def new_request(self, seq: Sequence, prompt: str | None, generator: torch.Generator | None,
-                    stream: bool) -> RequestState:
-        params = seq.sampling_params
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, seq.prompt_token_ids)
-                       if self.tokenizer and params.detokenize else None)
-        bad_words = self.bad_word_ids(params)
-        return RequestState(
-            seq, prompt, detokenizer, generator, stream=stream, prompt_token_ids=seq.prompt_token_ids,
-            stop_token_ids=frozenset(params.stop_token_ids), banned=self.banned_ids(params),
-            stop_strings=stop_strings(tuple(params.stop)) if params.stop else None,
-            bad_words=bad_words, needs_history=params.uses_penalties or bool(bad_words))
-
-    def banned(self, request: RequestState, position: int = 0) -> list[int]:
-        """What this request may not draw at this step (``position``: at its draft position
-        ``position``, speculative decoding, where that many more tokens precede the draw)."""
-        seq = request.seq
-        num_outputs = seq.num_scheduled_tokens - seq.num_prompt_tokens + position  # this step's token not counted yet
-        return request.banned if num_outputs < seq.sampling_params.min_tokens else []
 
     def append_token(self, request: RequestState, token: int, logprobs) -> str | None:
         """Give the request its new token (and, when it asked for logprobs, the token's scores,
@@ -161,33 +113,6 @@ class OutputProcessor:
         if token not in entry:
             entry[token] = Logprob(chosen, rank=rank, decoded_token=self._decode_one(token))
         return entry
-
-    def append_prompt_logprobs(self, request: RequestState, first: int, rows: list) -> None:
-        """Record the scores of prompt tokens first + 1, first + 2, ... (one row each: the
-        token's log-probability, its rank, the top token ids and their log-probabilities),
-        each entry shaped as a sampled token's: the request's k most likely tokens, and the
-        prompt's own token if it is not among them."""
-        scored = request.prompt_logprobs
-        if len(scored) != first + 1:
-            raise RuntimeError(f"prompt logprobs of request {request.seq.request_id} arrive for token {first + 1}, "
-                               f"after {len(scored)} tokens: they must come in order")
-        k = request.seq.sampling_params.prompt_logprobs
-        targets = request.prompt_token_ids[first + 1 : first + 1 + len(rows)]
-        text = self._decode_each({t for target, row in zip(targets, rows) for t in (target, *row[2][:k])})
-        for token, (chosen, rank, top_ids, top_values) in zip(targets, rows):
-            entry = {tid: Logprob(v, rank=r + 1, decoded_token=text.get(tid))
-                     for r, (tid, v) in enumerate(zip(top_ids[:k], top_values[:k]))}
-            if token not in entry:
-                entry[token] = Logprob(chosen, rank=rank, decoded_token=text.get(token))
-            scored.append(entry)
-
-    def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
-        """Each token's own text, in one call to the tokenizer (a prompt chunk's worth of
-        tokens one call each would be thousands of calls)."""
-        if self.tokenizer is None:
-            return {}
-        ids = sorted(token_ids)
-        return dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
 
     def _stopped_by_token(self, request: RequestState) -> str:
         """A stop token's text is left out of the output unless include_stop_str_in_output

@@ -10,7 +10,7 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.step_hooks import StepFeature
 
 
-def new_group(prompt_token_ids: list[int], params, request_id: str | None, output_processor, device,
+def new_group(prompt_token_ids: list[int], params, request_id: str | None, input_processor, device,
               prompt: str | None, stream: bool) -> list:
     """The RequestStates of a new request's completions, in index order, sharing one list."""
     first = Sequence(prompt_token_ids, params, request_id)
@@ -21,7 +21,7 @@ def new_group(prompt_token_ids: list[int], params, request_id: str | None, outpu
         generator = None
         if params.seed is not None:  # each completion its own stream of draws
             generator = torch.Generator(device=device).manual_seed((params.seed + i) % 2**64)
-        group.append(output_processor.new_request(seq, prompt, generator, stream))
+        group.append(input_processor.new_request(seq, prompt, generator, stream))
     for request in group:
         request.group = group
     first.num_forks = params.n - 1

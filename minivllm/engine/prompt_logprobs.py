@@ -10,6 +10,7 @@ import logging
 import torch
 
 from minivllm.layers.sampler import SampledTokens
+from minivllm.outputs import Logprob
 from minivllm.step_hooks import StepFeature, is_live
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,10 @@ def as_sampled_tokens(scores: tuple[torch.Tensor, ...]) -> SampledTokens:
 
 
 class PromptLogprobs(StepFeature):
-    def __init__(self, requests: dict, state_of, output_processor):
+    def __init__(self, requests: dict, state_of, tokenizer):
         self.requests = requests  # the engine's: request id -> its first completion's state
         self.state_of = state_of  # Sequence -> its RequestState
-        self.output_processor = output_processor
+        self.tokenizer = tokenizer
 
     def prepare(self, step) -> None:
         """Which positions of the batch score a prompt token this step, as (sequence i,
@@ -82,9 +83,36 @@ class PromptLogprobs(StepFeature):
             if not is_live(request, self.requests):
                 continue  # aborted, or failed, while the step ran
             try:
-                self.output_processor.append_prompt_logprobs(request, first, rows)
+                self.append(request, first, rows)
             except Exception as e:  # e.g. its detokenizer: this request's problem alone
                 logger.exception("recording the prompt logprobs of request %s failed", request.seq.request_id)
                 error = f"recording its prompt logprobs failed: {type(e).__name__}"
                 failed += [(completion, error) for completion in request.group]
         return failed
+
+    def append(self, request, first: int, rows: list) -> None:
+        """Record the scores of prompt tokens first + 1, first + 2, ... (one row each: the
+        token's log-probability, its rank, the top token ids and their log-probabilities),
+        each entry shaped as a sampled token's: the request's k most likely tokens, and the
+        prompt's own token if it is not among them."""
+        scored = request.prompt_logprobs
+        if len(scored) != first + 1:
+            raise RuntimeError(f"prompt logprobs of request {request.seq.request_id} arrive for token {first + 1}, "
+                               f"after {len(scored)} tokens: they must come in order")
+        k = request.seq.sampling_params.prompt_logprobs
+        targets = request.prompt_token_ids[first + 1 : first + 1 + len(rows)]
+        text = self._decode_each({t for target, row in zip(targets, rows) for t in (target, *row[2][:k])})
+        for token, (chosen, rank, top_ids, top_values) in zip(targets, rows):
+            entry = {tid: Logprob(v, rank=r + 1, decoded_token=text.get(tid))
+                     for r, (tid, v) in enumerate(zip(top_ids[:k], top_values[:k]))}
+            if token not in entry:
+                entry[token] = Logprob(chosen, rank=rank, decoded_token=text.get(token))
+            scored.append(entry)
+
+    def _decode_each(self, token_ids: set[int]) -> dict[int, str]:
+        """Each token's own text, in one call to the tokenizer (a prompt chunk's worth of
+        tokens one call each would be thousands of calls)."""
+        if self.tokenizer is None:
+            return {}
+        ids = sorted(token_ids)
+        return dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))

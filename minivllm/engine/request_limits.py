@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from minivllm.sampling_params import InvalidParameter, SamplingParams
 
 if TYPE_CHECKING:
-    from minivllm.engine.output_processor import OutputProcessor
+    from minivllm.engine.input_processor import InputProcessor
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,12 @@ class RequestLimits:
                 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
 
-    def check_request(self, token_ids: list[int], params: SamplingParams, outputs: "OutputProcessor") -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams, inputs: "InputProcessor") -> None:
         """Raise ValueError (InvalidParameter for a sampling field) for a request the engine
         would refuse."""
         self.check_prompt(token_ids)
         vocab = self.vocab_size
-        banned = outputs.banned_ids(params)
+        banned = inputs.banned_ids(params)
         if len(banned) == vocab:
             raise InvalidParameter("SamplingParams.stop_token_ids with min_tokens bans every token of the "
                                    "vocabulary: nothing could be sampled", "stop_token_ids")
@@ -72,7 +72,7 @@ class RequestLimits:
                 if unsupported:
                     raise InvalidParameter(f"SamplingParams.{name} is not supported with speculative_config "
                                            "(speculative decoding) yet", name)
-        bad = [t for ids in outputs.bad_word_ids(params) for t in ids if t >= vocab]
+        bad = [t for ids in inputs.bad_word_ids(params) for t in ids if t >= vocab]
         if bad:
             raise InvalidParameter(f"SamplingParams.bad_words tokenize to ids {sorted(set(bad))[:5]} outside the "
                                    f"model's vocabulary [0, {vocab})", "bad_words")

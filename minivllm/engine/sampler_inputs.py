@@ -17,15 +17,15 @@ class SamplerInputs:
     history: TokenHistory | None
 
 
-def sampler_inputs(step, output_processor, previous: tuple | None) -> SamplerInputs:
+def sampler_inputs(step, input_processor, previous: tuple | None) -> SamplerInputs:
     """The rows of ``step`` (a LaunchedStep). ``previous``: the step in flight's sampled
     tokens on the device and its rows (asynchronous scheduling), or None."""
     requests = step.requests
     if any(step.drafts):  # a row per position: the draft at position j has j more tokens before it
         requests = [r for r, d in zip(step.requests, step.drafts) for _ in range(len(d) + 1)]
-        banned = [output_processor.banned(r, j) for r, d in zip(step.requests, step.drafts) for j in range(len(d) + 1)]
+        banned = [input_processor.banned(r, j) for r, d in zip(step.requests, step.drafts) for j in range(len(d) + 1)]
     else:
-        banned = [output_processor.banned(r) for r in requests]
+        banned = [input_processor.banned(r) for r in requests]
     history = token_history(requests, previous) if any(r.needs_history for r in step.requests) else None
     return SamplerInputs([r.seq.sampling_params for r in requests], [r.generator for r in requests], banned, history)
 

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from minivllm.config import generation_defaults
-from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.input_processor import InputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server.async_engine import EngineDeadError, EngineState, OutputQueue, RequestFailedError, RequestQueues
@@ -81,8 +81,7 @@ class EngineCoreClient(RequestQueues):
         # leaves out (read here from the files, as the core's engine read them).
         self.default_sampling_fields = generation_defaults(self.config.model, self.config.generation_config)
         # For the checks only (the tokens that may not end a request early, bad words).
-        self._checks = OutputProcessor(self.tokenizer, info.eos_token_ids, self.limits.max_model_len,
-                                       self.limits.vocab_size)
+        self._checks = InputProcessor(self.tokenizer, info.eos_token_ids, self.limits.vocab_size)
         self._eos_token_ids = info.eos_token_ids
         self._grammars = None  # only to check requests' grammars here: the core compiles its own
         self._grammars_lock = threading.Lock()

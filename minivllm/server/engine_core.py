@@ -155,8 +155,8 @@ class DeltaOutputProcessor(OutputProcessor):
     """The core's output processor: the first and the last output of a request whole, the
     ones in between as deltas."""
 
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, vocab_size: int):
-        super().__init__(tokenizer, eos_token_ids, max_model_len, vocab_size)
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        super().__init__(tokenizer, eos_token_ids, max_model_len)
         # request id -> per completion: (tokens, characters, logprobs, finish_reason) sent
         self.sent: dict[str, list[tuple]] = {}
 
@@ -201,7 +201,7 @@ class EngineCore:
         self.channel = channel
         op = engine.output_processor
         self.outputs = engine.output_processor = DeltaOutputProcessor(
-            op.tokenizer, op.eos_token_ids, op.max_model_len, op.vocab_size)
+            op.tokenizer, op.eos_token_ids, op.max_model_len)
         self.num_aborted = 0
         self.rejected: list[RequestOutput] = []  # adds the engine refused, answered with the next message
 

@@ -279,7 +279,7 @@ class AsyncLLMEngine(RequestQueues):
         (vocabulary, max_model_len), so it is safe beside a running step. (A grammar is
         checked by ``compile_grammar``.)"""
         self.engine.limits.check_request(prompt_token_ids, sampling_params or SamplingParams(),
-                                         self.engine.output_processor)
+                                         self.engine.input_processor)
 
     def grammar_compiler(self):
         return self.engine.grammar_compiler()
