@@ -8,7 +8,8 @@ questions of each family, teacher-forced on the same random prompts as that benc
 1. How fine is the measure? float32 against bf16 on the same checkpoint (the rounding of
    bf16 alone), and the bf16 engine's own top-1 margins: a random-weight model's next-token
    distribution is nearly flat, so a small change in the logits flips a near-tie.
-2. Which tensor moves the logits? fp8 weights on one kind of projection at a time (the
+2. Which tensor moves the logits? fp8 weights as the engine makes them (the Gated DeltaNet
+   layers kept in bf16), on every projection, on one kind of projection at a time (the
    others kept in bf16), and on every projection with the activations left unquantized
    (weights alone, W8A16).
 
@@ -83,19 +84,22 @@ def family_sources(family: str, workdir: Path) -> dict:
            f"positions_with_margin_over_{MARGIN}": int((margin > MARGIN).sum()),
            "float32": against_bf16(next_token_logprobs(path, prompts, dtype="float32")),
            "fp8 weights": against_bf16(next_token_logprobs(path, prompts, quantization="fp8"))}
-    kept = quantization.NOT_QUANTIZED
+    # The rest with every projection fp8, the Gated DeltaNet layers' too (the engine keeps
+    # those in bf16: quantization.NOT_QUANTIZED_MODULES).
+    kept, kept_modules = quantization.NOT_QUANTIZED, quantization.NOT_QUANTIZED_MODULES
+    reference_matmul = quant.fp8_linear_reference
+    quantization.NOT_QUANTIZED_MODULES = ()
     try:
+        row["fp8 every projection"] = against_bf16(next_token_logprobs(path, prompts, quantization="fp8"))
         for kind in kinds:
             quantization.NOT_QUANTIZED = kept + tuple(k for k in kinds if k != kind)
             row[f"fp8 {kind} only"] = against_bf16(next_token_logprobs(path, prompts, quantization="fp8"))
-    finally:
         quantization.NOT_QUANTIZED = kept
-    reference_matmul = quant.fp8_linear_reference
-    quant.fp8_linear_reference = activations_unquantized
-    try:
-        row["fp8 weights, activations unquantized"] = against_bf16(
+        quant.fp8_linear_reference = activations_unquantized
+        row["fp8 every projection, activations unquantized"] = against_bf16(
             next_token_logprobs(path, prompts, quantization="fp8"))
     finally:
+        quantization.NOT_QUANTIZED, quantization.NOT_QUANTIZED_MODULES = kept, kept_modules
         quant.fp8_linear_reference = reference_matmul
     return row
 

@@ -241,6 +241,19 @@ def test_quantization_fp8_runs_end_to_end(fp8_checkpoints):
     assert top1_agreement(llm, reference) >= 0.9
 
 
+def test_quantization_fp8_leaves_gated_deltanet_layers_in_bf16(tmp_path):
+    """A hybrid's linear-attention projections keep the model's dtype (their input projection
+    carries most of fp8's error there); its attention and feed-forward go to fp8."""
+    path = make_tiny_checkpoint(tmp_path / "hybrid", family="qwen3_5", seed=3)
+    model = LLM(model=str(path), num_kv_blocks=32, quantization="fp8").engine.runner.model
+    dtypes = {name: module.weight.dtype for name, module in model.named_modules() if isinstance(module, Linear)}
+    hybrid = [n for n in dtypes if ".linear_attn." in n]
+    assert hybrid and all(dtypes[n] != FP8_DTYPE for n in hybrid), {n: dtypes[n] for n in hybrid}
+    for kind in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        named = [n for n in dtypes if n.endswith(kind)]
+        assert named and all(dtypes[n] == FP8_DTYPE for n in named), (kind, {n: dtypes[n] for n in named})
+
+
 def _fp8_logits(paths, ids):
     from minivllm.context import reset_context
     from minivllm.loader import load_model

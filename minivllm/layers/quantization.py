@@ -20,10 +20,15 @@ Three methods:
   (128 x 128 on the hub), loaded as they are, multiplied by ``ops.quant.fp8_block_linear``.
 
 Only the decoder's projections are quantized (attention's qkv and o, the feed-forward's
-gate_up and down, the linear-attention projections). The embedding, the LM head and the norms
-stay in the model's dtype, and so do the MoE experts (their fused kernel reads bf16; a
-checkpoint with fp8 experts is refused by the loader, not yet supported) and the routers
-(``NOT_QUANTIZED``): a router's few columns decide which experts run, and are cheap.
+gate_up and down). The embedding, the LM head and the norms stay in the model's dtype, and so
+do the MoE experts (their fused kernel reads bf16; a checkpoint with fp8 experts is refused by
+the loader, not yet supported), the routers (``NOT_QUANTIZED``: a router's few columns decide
+which experts run, and are cheap) and, under ``quantization="fp8"``, every projection of a
+Gated DeltaNet layer (``NOT_QUANTIZED_MODULES``): its input projection packs the gates that
+set the recurrence's decay, and an error there is carried through every later token's state.
+On random-weight hybrids it alone gave 75-90% of fp8 weights' error
+(``benchmarks/quantization_error_sources.json``); the vLLM project's FP8 recipe for Qwen3.5
+leaves these layers out too.
 """
 import torch
 from torch import nn
@@ -33,8 +38,10 @@ from minivllm.ops.activation import act_and_mul
 from minivllm.ops.linear import gated_linear, gated_linear_fuses, linear
 from minivllm.ops.quant import FP8_DTYPE, fp8_block_linear, quantize_per_row
 
-# Linear layers that keep the model's dtype under any quantization: the routers of MoE layers.
+# Linear layers that keep the model's dtype when a checkpoint is quantized at load: the routers of
+# MoE layers, by their own name, and every linear layer inside a module of these names.
 NOT_QUANTIZED = ("gate", "shared_expert_gate")
+NOT_QUANTIZED_MODULES = ("linear_attn",)
 
 
 class UnquantizedLinearMethod:
@@ -151,8 +158,10 @@ def linear_method(quantization: str | None, quantization_config: dict | None) ->
 
 
 def quantizable(name: str) -> bool:
-    """May a quantization method take the linear layer called ``name``?"""
-    return name.rsplit(".", 1)[-1] not in NOT_QUANTIZED
+    """May a quantization method take the linear layer called ``name`` (its full name in the
+    model, e.g. ``model.layers.0.linear_attn.in_proj``)?"""
+    *modules, leaf = name.split(".")
+    return leaf not in NOT_QUANTIZED and not any(m in NOT_QUANTIZED_MODULES for m in modules)
 
 
 def set_linear_methods(layers: list[nn.Module], method: UnquantizedLinearMethod) -> None:
