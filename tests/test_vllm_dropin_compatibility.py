@@ -1,17 +1,17 @@
-"""book/compatibility.md is written from the code's own lists (minivllm.server.compatibility):
+"""book/compatibility.md is written from the code's own lists (minivllm.compatibility):
 it equals what the code says today, and every status it gives is one the code acts on."""
 from pathlib import Path
 
 import pytest
 
-from minivllm.server.compatibility import ACCEPTED, REFUSED, llm_keywords, render, serve_flags
+from minivllm.compatibility import ACCEPTED, REFUSED, llm_keywords, render, serve_flags
 
 PAGE = Path(__file__).parents[1] / "book" / "compatibility.md"
 
 
 def test_the_page_is_the_codes():
     assert PAGE.read_text() == render(), \
-        "book/compatibility.md is stale: python -m minivllm.server.compatibility > book/compatibility.md"
+        "book/compatibility.md is stale: python -m minivllm.compatibility > book/compatibility.md"
 
 
 def test_the_page_is_in_the_book():

@@ -4,7 +4,7 @@ declares them, ``LLM(...)``'s keywords from ``engine.engine_args``, ``SamplingPa
 the server's routes and its request fields. ``tests/test_vllm_dropin_compatibility.py``
 checks the page equals ``render()``; after a change, write it again with
 
-    python -m minivllm.server.compatibility > book/compatibility.md
+    python -m minivllm.compatibility > book/compatibility.md
 """
 import argparse
 import dataclasses
@@ -135,7 +135,7 @@ def render() -> str:
         f"**{REFUSED}** (and what to do instead). A name neither vLLM nor minivllm knows is an error that names "
         "the closest known one.",
         "",
-        "This page is written from the code (`python -m minivllm.server.compatibility > book/compatibility.md`) "
+        "This page is written from the code (`python -m minivllm.compatibility > book/compatibility.md`) "
         "and a test keeps the two equal.",
         "", "## `minivllm serve` flags", "", *table(serve_flags(), head),
         "", "## `LLM(...)` keywords", "", *table(llm_keywords(), head),
