@@ -3,6 +3,8 @@ its runner and block manager from a config (``from_engine_args`` is the one fact
 ``LLM``, the server and its engine-core process all use), the checks a front end runs before
 it queues a request, shutting down, and what the steps have done. ``engine.llm_engine`` holds
 the requests and the step."""
+from typing import Self
+
 import torch
 
 from minivllm.engine.block_manager import BlockManager
@@ -14,7 +16,9 @@ from minivllm.tokenizer import load_tokenizer
 
 
 class EngineBase:
-    """Everything of ``LLMEngine`` but its requests and its step (see the module's docstring)."""
+    """Everything of ``LLMEngine`` but its requests and its step (see the module's docstring).
+    Its methods read what ``LLMEngine.__init__`` declares: ``config``, ``runner``, ``limits``,
+    ``input_processor``, ``structured``, ``speculation``, ``tracer``."""
 
     def _make_runner(self, proposer):
         if self.config.tensor_parallel_size > 1:
@@ -32,7 +36,7 @@ class EngineBase:
         return BlockManager(self.runner.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
 
     @classmethod
-    def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> "EngineBase":
+    def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> Self:
         """Build an engine from what a user writes: ``LLM(...)``, the server and its
         engine-core process all call this (minivllm.engine.engine_args checks the arguments)."""
         config = create_engine_config(model, dtype, device, **engine_args)
