@@ -5,6 +5,7 @@ under constraints: batching beside unconstrained requests, chunked prefill, pree
 n > 1, stop strings, max_tokens, streaming, and the asynchronous scheduler (greedy outputs
 identical with it on and off). Bad specs are refused with the problem named.
 """
+import itertools
 import json
 import re
 
@@ -139,6 +140,27 @@ def test_constrained_beside_unconstrained_requests(llm):
     assert all(len(o.outputs[0].token_ids) == 30 or o.outputs[0].finish_reason == "stop" for o in mixed[:4])
     for o in mixed[4:]:
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+def test_the_feature_forgets_a_grammar_when_its_completion_ends():
+    """Structured output keeps each completion's grammar state itself, from its compile to its
+    end: finished, aborted mid-run or stopped by its length, none is left behind."""
+    llm = LLM(async_scheduling=True)
+    engine = llm.engine
+    spec = StructuredOutputsParams(json=PERSON)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=160, structured_outputs=spec, n=2),
+                 use_tqdm=False)
+    assert engine.structured.grammars == {}, "finished completions keep no grammar"
+    for i, max_tokens in enumerate([160, 3]):
+        engine.add_request(list(range(10, 30)), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                               structured_outputs=spec), f"held{i}")
+    engine.step()
+    engine.step()
+    assert engine.structured.grammars, "a running constrained request has its grammar"
+    engine.abort_request("held0")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.structured.grammars == {}, "an aborted request and a length-stopped one keep none"
 
 
 def test_n_completions_each_follow_the_grammar(llm):
@@ -473,10 +495,17 @@ def engine_stand_in(vocab_size, device="cpu"):
     return StructuredOutputs(None, vocab_size, set(), device != "cpu", None, {}, None, None)
 
 
-def request_stand_in(grammar, finished=False):
+STAND_IN_IDS = itertools.count(1)
+
+
+def request_stand_in(engine, grammar, finished=False):
+    """A completion the feature ``engine`` holds ``grammar`` for (None: an unconstrained one)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(grammar=grammar, seq=SimpleNamespace(is_finished=finished))
+    seq = SimpleNamespace(seq_id=next(STAND_IN_IDS), is_finished=finished)
+    if grammar is not None:
+        engine.grammars[seq.seq_id] = grammar
+    return SimpleNamespace(grammar=grammar, seq=seq)
 
 
 def alone(state, vocab):
@@ -510,14 +539,14 @@ def test_a_reused_bitmask_buffer_never_leaks_an_earlier_mask(llm):
         for i in range(rows):
             kind = (i + step) % 5
             if kind == 0:
-                requests.append(request_stand_in(None))
+                requests.append(request_stand_in(engine, None))
             elif kind == 1:
-                requests.append(request_stand_in(ended))
+                requests.append(request_stand_in(engine, ended))
             else:
                 state = GrammarState(compiled, token_filter)
                 for t in text[: (i * 3 + step) % len(text)]:
                     assert state.accept(t)
-                requests.append(request_stand_in(state, finished=kind == 4 and i % 2 == 0))
+                requests.append(request_stand_in(engine, state, finished=kind == 4 and i % 2 == 0))
         bitmask = engine.bitmask(requests)
         for row, r in enumerate(requests):
             live = r.grammar if r.grammar is not None and not r.seq.is_finished else None
@@ -542,9 +571,10 @@ def test_a_step_whose_grammars_have_all_ended_needs_no_mask(llm):
     for t in tokenizer.encode("ab", add_special_tokens=False) + [min(llm.engine.eos_token_ids)]:
         assert ended.accept(t)
     engine = engine_stand_in(llm.engine.runner.model_config.vocab_size)
-    dead = [request_stand_in(None), request_stand_in(ended), request_stand_in(live, finished=True)]
+    dead = [request_stand_in(engine, None), request_stand_in(engine, ended),
+            request_stand_in(engine, live, finished=True)]
     assert engine.bitmask(dead) is None
-    assert engine.bitmask(dead + [request_stand_in(live)]) is not None
+    assert engine.bitmask(dead + [request_stand_in(engine, live)]) is not None
 
 
 def test_a_grammar_knows_it_has_ended_without_asking_each_step(llm):
@@ -617,8 +647,9 @@ def test_the_engines_masks_give_what_fresh_masks_give(async_scheduling):
         vocab = self.runner.model_config.vocab_size
         out = torch.full((len(requests), (vocab + 31) // 32), -1, dtype=torch.int32)
         for row, r in enumerate(requests):
-            if r.grammar is not None and not r.seq.is_finished and not r.grammar.matcher.is_terminated():
-                r.grammar.matcher.fill_next_token_bitmask(out, row)
+            grammar = self.structured.grammars.get(r.seq.seq_id)
+            if grammar is not None and not r.seq.is_finished and not grammar.matcher.is_terminated():
+                grammar.matcher.fill_next_token_bitmask(out, row)
                 so = r.seq.sampling_params.structured_outputs
                 if so.kind in ("json", "json_object"):  # (the filter's rows whatever the schema)
                     out[row] &= self.grammar_compiler().token_filter(

@@ -9,17 +9,12 @@ not grow with how many stop strings or stop ids a request carries.
 """
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stop_strings import StopStrings
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from minivllm.tokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from minivllm.structured.matcher import GrammarState
 
 
 @dataclass
@@ -53,8 +48,6 @@ class RequestState:
     # The request's completions, in index order (SamplingParams.n; one for n = 1): the same
     # list in each of them. The first computes the prompt, then forks into the others.
     group: list["RequestState"] = field(default_factory=list)
-    # Structured output (chapter 18): where this completion stands in its grammar, or None.
-    grammar: "GrammarState | None" = None
     # Speculative decoding: drafts verified, drafts accepted, steps that verified any.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

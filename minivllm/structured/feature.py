@@ -45,6 +45,9 @@ class StructuredOutputs(StepFeature):
         self._lock = threading.Lock()  # (a server asks for the compiler from its own thread)
         # Requests whose grammar is being compiled: id -> (future, first completion).
         self.compiling: dict[str, tuple[futures.Future, object]] = {}
+        # Where each constrained completion stands in its grammar: seq_id -> GrammarState,
+        # from its grammar's compile until the completion ends (on_finish).
+        self.grammars: dict[int, object] = {}
         self.bitmask_buffers = None  # BitmaskBuffers, made at the first constrained step
 
     def compiler(self):
@@ -74,7 +77,8 @@ class StructuredOutputs(StepFeature):
         spec = group[0].seq.sampling_params.structured_outputs
         token_filter = self.compiler().token_filter(spec)
         for request in group:
-            request.grammar = GrammarState(compiled, token_filter, waits_for=spec.reasoning_end_token_id)
+            self.grammars[request.seq.seq_id] = GrammarState(compiled, token_filter,
+                                                             waits_for=spec.reasoning_end_token_id)
 
     def before_schedule(self) -> list:
         """Queue the requests whose grammar has compiled; fail those whose grammar could not
@@ -105,7 +109,7 @@ class StructuredOutputs(StepFeature):
         """The step's token mask; or, when a grammar needs a token still on the device, ask
         for the sampling to wait for the mask (step.mask_later). A grammar waiting for the end
         of a reasoning needs it too: that token may be the one that starts it."""
-        constrained = [r for r in step.requests if r.grammar is not None]
+        constrained = [r for r in step.requests if r.seq.seq_id in self.grammars]
         if not constrained:
             return
         if any(r.seq.num_pending for r in constrained):
@@ -121,8 +125,9 @@ class StructuredOutputs(StepFeature):
         nothing first)."""
         from minivllm.structured.matcher import BitmaskBuffers, fill_bitmask
 
-        states = [None if r.grammar is None or r.seq.is_finished or not r.grammar.constrains else r.grammar
-                  for r in requests]
+        states = [self.grammars.get(r.seq.seq_id) for r in requests]
+        states = [None if state is None or r.seq.is_finished or not state.constrains else state
+                  for r, state in zip(requests, states)]
         if not any(states):
             return None
         if self.bitmask_buffers is None:
@@ -141,9 +146,10 @@ class StructuredOutputs(StepFeature):
             return []
         rows, states, tokens = [], [], []
         for request, row, drafts in zip(step.requests, step.first_rows, step.drafts):
-            if request.grammar is not None and is_live(request, self.requests) and not drafts and row not in sampled.errors:
+            state = self.grammars.get(request.seq.seq_id)
+            if state is not None and is_live(request, self.requests) and not drafts and row not in sampled.errors:
                 rows.append((request, row))
-                states.append(request.grammar)
+                states.append(state)
                 tokens.append(sampled.token_ids[row])
         if not rows:
             return []
@@ -151,6 +157,9 @@ class StructuredOutputs(StepFeature):
                           f"grammar: {NOTHING_TO_SAMPLE} (the request's allowed_token_ids, bad_words or logit_bias "
                           "leave no token the grammar allows here)")
                 for (request, row), ok in zip(rows, accept_tokens(states, tokens)) if not ok]
+
+    def on_finish(self, seq) -> None:
+        self.grammars.pop(seq.seq_id, None)
 
     def on_abort(self, request_id: str) -> bool:
         # (A compile under way finishes for the cache.)
