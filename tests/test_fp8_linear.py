@@ -26,6 +26,8 @@ from minivllm.testing import dequantize_fp8_checkpoint, make_fp8_checkpoint, mak
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CUDA = torch.cuda.is_available()
+# The Triton kernels run on the GPU where there is one, in the interpreter on a CPU (conftest).
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 def test_quantize_per_row_scales_saturates_and_survives_a_zero_row():
@@ -76,7 +78,7 @@ def test_quantize_groups_kernel_matches_its_spec(m, k, group, poisoned_empty):
     from minivllm.kernels.fp8_matmul import quantize_groups
     from minivllm.ops.quant import MIN_SCALE
 
-    x = representable(m, k, group)
+    x = representable(m, k, group).to(DEVICE)
     q, scale = quantize_groups(x, group, FP8_MAX, MIN_SCALE)
     q_ref, scale_ref = quantize_per_group(x, group)
     assert torch.equal(scale, scale_ref) and scale.shape == (m, -(-k // group))
@@ -142,9 +144,9 @@ def poisoned_empty(monkeypatch):
 def test_block_fp8_matmul_matches_its_torch_reference(m, n, k, block, with_bias, poisoned_empty):
     from minivllm.kernels.fp8_matmul import block_fp8_matmul
 
-    x = torch.randn(m, k, dtype=torch.bfloat16)
-    w_q, w_s = quantize_blocks(torch.randn(n, k) / k**0.5, block)
-    bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE)
+    w_q, w_s = quantize_blocks(torch.randn(n, k, device=DEVICE) / k**0.5, block)
+    bias = torch.randn(n, dtype=torch.bfloat16, device=DEVICE) if with_bias else None
     x_q, x_s = quantize_per_group(x, block[1])
     out = block_fp8_matmul(x_q, x_s, w_q, w_s, block, bias, out_dtype=torch.bfloat16)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16 and not out.isnan().any()
@@ -155,8 +157,8 @@ def test_block_fp8_matmul_matches_its_torch_reference(m, n, k, block, with_bias,
 def test_block_fp8_matmul_refuses_what_it_cannot_tile():
     from minivllm.kernels.fp8_matmul import block_fp8_matmul
 
-    a_q, a_s = quantize_per_group(torch.randn(4, 96), 48)
-    w_q, w_s = quantize_blocks(torch.randn(32, 96), (16, 48))
+    a_q, a_s = quantize_per_group(torch.randn(4, 96, device=DEVICE), 48)
+    w_q, w_s = quantize_blocks(torch.randn(32, 96, device=DEVICE), (16, 48))
     with pytest.raises(ValueError, match="power of two"):
         block_fp8_matmul(a_q, a_s, w_q, w_s, (16, 48))
     with pytest.raises(ValueError, match="do not agree"):
@@ -171,8 +173,8 @@ def test_gemv_reads_fp8_weights(rows):
 
     n, k = 70, 300
     dtype = torch.bfloat16 if CUDA else torch.float32
-    w_q, w_s = quantize_per_row(torch.randn(2 * n, k) / k**0.5)
-    x = torch.randn(rows, k, dtype=dtype)
+    w_q, w_s = quantize_per_row(torch.randn(2 * n, k, device=DEVICE) / k**0.5)
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
     w = dequantize_per_row(w_q, w_s)
     ref = x.float() @ w.t()
     torch.testing.assert_close(gemv(x, w_q, weight_scale=w_s).float(), ref, atol=2e-2, rtol=2e-2)
