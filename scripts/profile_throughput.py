@@ -66,7 +66,7 @@ def main():
         from minivllm.engine.block_manager import BlockManager
         from minivllm.engine.llm_engine import LLMEngine
         from minivllm.engine.step_inputs import StepInputs
-        from minivllm.layers.sampler import SampledTokens
+        from minivllm.layers.sampled_tokens import SampledTokens
 
         for owner, name in ((ModelRunner, "upload"), (ModelRunner, "_to_device"), (SampledTokens, "to_host"),
                             (LLMEngine, "_account"), (LLMEngine, "_prompt_logprob_rows"),

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.sampler import Sampler, SamplerOutput, gumbel_max_sample, min_p_mask, top_k_mask, top_p_mask
+from minivllm.layers.sampled_tokens import SamplerOutput
+from minivllm.layers.sampler import Sampler, gumbel_max_sample, min_p_mask, top_k_mask, top_p_mask
 
 NEG_INF = float("-inf")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ the automaton that finds its stop strings (a ``RequestState``). ``RequestLimits`
 request against the engine's sizes with these same answers."""
 import torch
 
-from minivllm.engine.output_processor import RequestState
+from minivllm.engine.request_state import RequestState
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stop_strings import stop_strings
 from minivllm.sampling_params import InvalidParameter, SamplingParams

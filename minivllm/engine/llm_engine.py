@@ -24,27 +24,23 @@ queueing, shutting down, the statistics) is ``minivllm.engine.engine_base.Engine
 class it derives from; what a request needs worked out once, when it arrives, is
 ``minivllm.engine.input_processor``.
 """
-import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
 
 from minivllm.config import EngineConfig, generation_defaults
 from minivllm.engine.engine_base import EngineBase
 from minivllm.engine.input_processor import InputProcessor
-from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.launched_step import LaunchedStep
+from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.overlap import OverlappedStep
 from minivllm.engine.parallel_sampling import ParallelSampling, new_group
 from minivllm.engine.prompt_logprobs import PromptLogprobs
 from minivllm.engine.request_limits import RequestLimits, truncated
+from minivllm.engine.request_state import RequestState
 from minivllm.engine.sampler_inputs import sampler_inputs
 from minivllm.engine.scheduler import ScheduledBatch, Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.trace import StepTrace, num_prefill_tokens, profiler_range
-from minivllm.layers.sampler import SampledTokens
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.feature import Speculation
@@ -57,47 +53,6 @@ logger = logging.getLogger(__name__)
 # The features beside the step, in the order the step calls their hooks: forks add sampler
 # rows before a token mask is made for every row.
 FEATURES = (ParallelSampling, PromptLogprobs, StructuredOutputs, Speculation)
-
-
-@dataclass
-class LaunchedStep:
-    """A step on the device whose tokens the host has not taken in yet: built by execute,
-    read by update. Features add to it in their ``prepare`` hook."""
-
-    batch: ScheduledBatch
-    rows: list[int]  # per sampling completion: its sequence's index in the batch
-    requests: list[RequestState]  # the completions that sample, in the sampler's order
-    num_prefill_tokens: int = 0
-    trace: dict | None = None  # what its StepRecord needs from the batch (with record_trace)
-    # Speculative decoding: the drafts each request verifies (most often none; then it has one
-    # sampler row, else 1 + len(drafts) consecutive ones) and, once verified, how many it kept.
-    drafts: list[list[int]] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    first_rows: list[int] = field(default_factory=list)  # each request's first sampler row
-    scoring: list[RequestState] = field(default_factory=list)  # the request of each batch.prompt_logprobs run
-    bitmask: torch.Tensor | None = None  # the tokens each row may draw (structured output)
-    # Set when the token mask needs a token still on the device: the forward pass runs now,
-    # the sampling once that token is known (minivllm.engine.overlap).
-    mask_later: Callable | None = None
-    deferred: tuple | None = None  # (logits, SamplerInputs) waiting for mask_later
-    sampled: SampledTokens | None = None  # None: nobody samples (every sequence mid-prefill)
-    prompt_scores: SampledTokens | None = None
-    run_seconds: float = 0.0  # the host's time putting it on the device
-    wait_seconds: float = 0.0  # the host's time waiting for its tokens
-    finished: list[int] = field(default_factory=list)  # seq ids that ended when it was taken in
-
-    def lay_out_rows(self) -> None:
-        """Each request's first sampler row, once the features have said who samples."""
-        if not self.drafts:
-            self.drafts = [[]] * len(self.requests)
-        self.accepted = [0] * len(self.requests)
-        sizes = [len(d) + 1 for d in self.drafts]
-        self.first_rows = list(range(len(self.requests))) if len(sizes) == sum(sizes) else \
-            [end - size for end, size in zip(itertools.accumulate(sizes), sizes)]
-
-    def row_of(self) -> dict[int, int]:
-        """seq_id -> the sampler row of its newest token (the next step reads it there)."""
-        return {r.seq.seq_id: row + len(d) for r, row, d in zip(self.requests, self.first_rows, self.drafts)}
 
 
 class LLMEngine(EngineBase):

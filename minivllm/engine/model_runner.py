@@ -27,7 +27,8 @@ from minivllm.engine.state_pool import keep_accepted_states, state_metadata
 from minivllm.engine.step_inputs import StepInputs, pack_batch, pad_rows
 from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import state_layers
-from minivllm.layers.sampler import SampledTokens, Sampler
+from minivllm.layers.sampled_tokens import SampledTokens
+from minivllm.layers.sampler import Sampler
 from minivllm.loader import load_model
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from minivllm.layers.sampler import SampledTokens
+from minivllm.layers.sampled_tokens import SampledTokens
 from minivllm.outputs import Logprob
 from minivllm.step_hooks import StepFeature, is_live
 

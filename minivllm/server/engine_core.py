@@ -46,7 +46,8 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.request_limits import RequestLimits
-from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.request_state import RequestState
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.server.async_engine import EngineState
 
