@@ -119,22 +119,25 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a ``minivllm.inputs``
         TextPrompt / TokensPrompt dict); outputs come back in prompt order."""
+        with frozen_heap():  # (queueing many requests makes enough objects for a full collection)
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         request_ids = self._add(prompts, sampling_params)
         order = {rid: i for i, rid in enumerate(request_ids)}
         results: list[RequestOutput | None] = [None] * len(request_ids)
         engine = self.engine
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            with frozen_heap():
-                while any(r is None for r in results):
-                    for output in engine.step():
-                        if output.finished and output.request_id in order:
-                            results[order[output.request_id]] = output
-                            bar.update(1)
-                    s = engine.stats
-                    bar.set_postfix_str(
-                        f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):.0f} tok/s, "
-                        f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):.0f} tok/s", refresh=False)
+            while any(r is None for r in results):
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+                s = engine.stats
+                bar.set_postfix_str(
+                    f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):.0f} tok/s, "
+                    f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):.0f} tok/s", refresh=False)
         except BaseException:
             for rid in request_ids:  # leave no half-done request behind
                 engine.abort_request(rid)

@@ -397,15 +397,29 @@ def test_generate_runs_with_the_startup_heap_frozen(llm, monkeypatch):
         full_collection_after.append(gc.get_threshold()[2])
         return step()
 
+    add_request = llm.engine.add_request
+    queued_frozen = []
+
+    def recording_add_request(*args, **kwargs):
+        # Queueing a few hundred prompts makes enough objects for a full collection: it was
+        # where one struck inside a timed run, before the heap was frozen for the steps only.
+        queued_frozen.append(gc.get_freeze_count() > 0 and gc.get_threshold()[2] >= 1_000_000)
+        return add_request(*args, **kwargs)
+
     monkeypatch.setattr(llm.engine, "step", recording_step)
+    monkeypatch.setattr(llm.engine, "add_request", recording_add_request)
     assert gc.get_freeze_count() == 0
     with gc_pauses() as pauses:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
         gc.collect()
+    assert queued_frozen == [True, True]
     assert seen and min(seen) > 0  # every step ran frozen
     assert min(full_collection_after) >= 1_000_000  # and with full collections held back
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     assert pauses["collections"][2] >= 1 and pauses["longest_seconds"] > 0
+    # The full collection's place is recorded (here, the gc.collect() above).
+    assert any("test_generate_runs_with_the_startup_heap_frozen" in frame
+               for frame in pauses["full_collections_at"][-1])
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()

@@ -1,0 +1,78 @@
+"""The decode attention kernel's tiles on a float8 KV cache against a bf16 one (chapter 20).
+
+A float8 tile of BLOCK_N keys is half the bytes of a bf16 one, so the tiles tuned for bf16
+keep half as many bytes in flight: this sweeps BLOCK_N, warps and pipeline stages on both
+caches at the throughput workload's decode shapes (Qwen3-0.6B's heads, 16-token blocks,
+shuffled block tables) and reports each as a share of the copy bandwidth, with the largest
+difference of its output from the default tiles' (a tile that computes something else is
+worthless however fast it is).
+
+    python scripts/tune_fp8_decode.py --out benchmarks/fp8_decode_tuning.json
+"""
+import argparse
+import itertools
+import json
+
+import torch
+
+from minivllm.bench.roofline import measure_ceilings, time_cuda
+from minivllm.kernels.paged_attention import decode_config, paged_decode_attention
+
+SHAPES = [(256, 1024), (128, 2048), (64, 512)]  # (sequences, context tokens)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+
+
+def case(batch: int, context: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    blocks = batch * context // BLOCK_SIZE
+    k = torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", generator=generator)
+    v = torch.randn(k.shape, device="cuda", generator=generator)
+    tables = torch.randperm(blocks, device="cuda", generator=generator, dtype=torch.int32).view(batch, -1)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=generator).bfloat16()
+    scales = {}
+    if dtype == torch.float8_e4m3fn:
+        scales = {"k_scale": torch.tensor([k.abs().max() / 448], device="cuda"),
+                  "v_scale": torch.tensor([v.abs().max() / 448], device="cuda")}
+        k, v = (k / scales["k_scale"]).to(dtype), (v / scales["v_scale"]).to(dtype)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return {"args": (q, k, v, tables, lens, HEAD_DIM**-0.5, context), "scales": scales,
+            "bytes": 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    bandwidth = measure_ceilings()["copy_bandwidth_bytes_per_s"]
+    generator = torch.Generator("cuda").manual_seed(0)
+    configs = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
+               for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
+    rows = []
+    for (batch, context), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float8_e4m3fn)):
+        c = case(batch, context, dtype, generator)
+        default = paged_decode_attention(*c["args"], **c["scales"])
+        for config in [None, *configs]:
+            try:
+                out = paged_decode_attention(*c["args"], config=config, **c["scales"])
+                seconds = time_cuda(lambda: paged_decode_attention(*c["args"], config=config, **c["scales"]),
+                                    warmup=3, repeat=20)
+            except Exception as e:  # a tile that does not fit in shared memory: recorded, not timed
+                rows.append({"batch": batch, "context": context, "kv": str(dtype), "config": config,
+                             "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                continue
+            row = {"batch": batch, "context": context, "kv": str(dtype).removeprefix("torch."),
+                   "config": config or {"default": decode_config(HEAD_DIM, c["args"][1].element_size())},
+                   "seconds": seconds, "percent_of_copy_bandwidth": 100 * c["bytes"] / seconds / bandwidth,
+                   "max_diff_from_default": (out.float() - default.float()).abs().max().item()}
+            rows.append(row)
+            print(f"{batch:4d} x {context:5d} {row['kv']:14s} {json.dumps(row['config']):60s} "
+                  f"{seconds * 1e6:8.1f} us {row['percent_of_copy_bandwidth']:5.1f}%  diff {row['max_diff_from_default']:.1e}",
+                  flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"copy_bandwidth_bytes_per_s": bandwidth, "device": torch.cuda.get_device_name(), "rows": rows},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
