@@ -186,25 +186,13 @@ class LLMEngine(EngineBase):
         for feature in self.features:
             feature.after_schedule(batch)
         if batch.seqs:
-            self._note_first_scheduled(batch)
+            self.tracer.note_first_scheduled(batch, self.requests)
             return batch
         if self.scheduler.waiting and not self.scheduler.running and self._in_flight() is None:
             # Nothing runs and the head of the queue does not fit: cannot happen for a
             # validated request, so it is a bug worth a loud error.
             raise RuntimeError(f"scheduler is stuck: {self.scheduler.waiting[0]} cannot be admitted")
         return None
-
-    def _note_first_scheduled(self, batch: ScheduledBatch) -> None:
-        """RequestOutput.metrics.first_scheduled_time, for the requests in their first batch
-        (nothing computed past their cached prefix, never preempted): two integer compares a
-        sequence, the clock read once a step at most."""
-        now = None
-        for seq in batch.seqs:
-            if seq.num_computed_tokens == seq.num_cached_tokens and not seq.num_preemptions and not seq.index:
-                request = self.requests.get(seq.request_id)
-                if request is not None and request.metrics.first_scheduled_time is None:
-                    now = now or time.monotonic()
-                    request.metrics.first_scheduled_time = now
 
     def execute(self, batch: ScheduledBatch, previous: tuple | None = None) -> LaunchedStep:
         """Put the batch on the device: its forward pass and the sampling of each sequence
