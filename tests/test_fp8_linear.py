@@ -120,7 +120,7 @@ def test_fp8_linear_matches_its_dequantized_reference(rows):
 def test_scaled_mm_takes_our_scale_shapes():
     """torch._scaled_mm (the GPU path) with row-wise scales: x's [M, 1], the weight's [1, N],
     computes the same product as the reference (on this CPU torch too)."""
-    x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(32, 64)
+    x, w = torch.randn(8, 64, dtype=torch.bfloat16, device=DEVICE), torch.randn(32, 64, device=DEVICE)
     x_q, x_s = quantize_per_row(x)
     w_q, w_s = quantize_per_row(w)
     out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)

@@ -39,6 +39,7 @@ def test_float32_greedy_identical_to_transformers(tmp_path, prompts, enforce_eag
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 48)
     assert any(len(s.seqs) > 1 and all(k == "decode" for *_, k in s.seqs) for s in llm.engine.trace)
+    llm.shutdown()  # its KV pool back now: the engine's parts refer to each other, so `del` waits for the collector
 
 
 def test_bfloat16_logits_close_to_transformers(tmp_path):
@@ -58,6 +59,7 @@ def test_bfloat16_logits_close_to_transformers(tmp_path):
     assert out.outputs[0].token_ids[0] == int(top.indices[0])
     for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
         assert tid in ours and abs(ours[tid].logprob - lp) < 0.1
+    llm.shutdown()
 
 
 def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
@@ -79,7 +81,7 @@ def test_cuda_graphs_pad_odd_batch_sizes(tmp_path):
                 replays = llm.engine.runner.cudagraphs.replays_of(DECODE)
                 padded = {3: 4, 5: 8, 17: 32}[n]
                 assert replays[padded] == 19 and sum(replays.values()) == 19, replays
-            del llm
+            llm.shutdown()
         assert results[0] == results[1]
 
 
@@ -149,14 +151,14 @@ def test_kv_pool_sized_from_measured_memory(tmp_path):
     path = make_tiny_checkpoint(tmp_path, seed=9, dtype=torch.bfloat16)
     small = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)
     n_small = small.engine.runner.num_kv_blocks
-    del small
-    torch.cuda.empty_cache()
+    small.shutdown()  # (a `del` would leave its pool to the garbage collector's next full pass)
     large = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True)
     n_large = large.engine.runner.num_kv_blocks
     total = torch.cuda.get_device_properties(0).total_memory
     block = large.engine.runner.block_bytes
     # Doubling the share adds about 10% of the card's memory worth of blocks.
     assert abs((n_large - n_small) * block - 0.1 * total) < 0.02 * total
+    large.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -176,6 +178,7 @@ def test_n_completions_fork_the_prompt_on_the_gpu(tmp_path, async_scheduling):
     assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in separate]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    llm.shutdown()
 
 
 def test_step_keys_read_in_bulk_give_the_same_tokens(tmp_path, monkeypatch):

@@ -4,9 +4,10 @@
 # Running the generator again overwrites this file: commit or copy your work first.
 
 """What each step did, for the book's plots and the engine's throughput figures: a
-``StepRecord`` per step (with ``record_trace``), and running totals of tokens and seconds.
-Beside the step: the step hands its launched batch here once it is done, and nothing here
+``StepRecord`` per step (with ``record_trace``), running totals of tokens and seconds, and
+when each request was first scheduled (its ``RequestOutput.metrics``). Beside the step: the step hands its launched batch here once it is done, and nothing here
 changes what the step computes."""
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -66,6 +67,19 @@ class StepTrace:
             preempted=[s.seq_id for s in batch.preempted],
             **attention_work(batch),
         )
+
+    @staticmethod
+    def note_first_scheduled(batch: ScheduledBatch, requests: dict) -> None:
+        """RequestOutput.metrics.first_scheduled_time, for the requests in their first batch
+        (nothing computed past their cached prefix, never preempted): two integer compares a
+        sequence, the clock read once a step at most."""
+        now = None
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == seq.num_cached_tokens and not seq.num_preemptions and not seq.index:
+                request = requests.get(seq.request_id)
+                if request is not None and request.metrics.first_scheduled_time is None:
+                    now = now or time.monotonic()
+                    request.metrics.first_scheduled_time = now
 
     def account(self, step, elapsed: float, finished: list[int], host_seconds: float, block_manager) -> None:
         """The step's share of the totals, and its record (with record_trace)."""

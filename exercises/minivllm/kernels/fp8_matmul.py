@@ -79,7 +79,7 @@ def _block_fp8_matmul_kernel(
     out_ptr,  # [M, N]
     M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     raise NotImplementedError(
         "ch20: block_fp8_matmul: one program computes a BLOCK_M x BLOCK_N tile of the output, rows "
@@ -90,7 +90,9 @@ def _block_fp8_matmul_kernel(
         "columns (a weight row n lies in block row n // GROUP_N). So the tile's fp8 dot product "
         "runs on the tensor cores as it is, accumulated in float32, and the two scales multiply "
         "its result once per step, the activation scale along the tile's rows and the weight scale "
-        "along its columns. Rows, columns and a last K step past the matrices' edges must "
+        "along its columns. The fp8 tensor cores take K in steps of 32: with a smaller step "
+        "(FP8_DOT false) convert both tiles to float32 before the dot (its tf32 inputs hold every "
+        "e4m3 value exactly). Rows, columns and a last K step past the matrices' edges must "
         "contribute nothing: load them as zeros. Then the bias, when there is one (HAS_BIAS), and "
         "a store of the tile in the output's dtype, masked at both edges. Second hint: a scale is "
         "loaded per row of the tile, [BLOCK_M] and [BLOCK_N], from the column of its scale matrix "
@@ -126,6 +128,6 @@ def block_fp8_matmul(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     _block_fp8_matmul_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else w_s, out,
         m, n, k, a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_K=group_k, **config,
+        HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_K=group_k, FP8_DOT=config["BLOCK_K"] >= 32, **config,
     )
     return out

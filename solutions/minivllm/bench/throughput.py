@@ -19,6 +19,7 @@ import gc
 import os
 import random
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,11 +95,14 @@ def gc_pauses():
     the block, per generation, and how long it stalled the process in all and at most. A
     full collection walks every tracked object (hundreds of thousands with torch loaded);
     inside a timed run it is a step that takes a tenth of a second longer."""
-    pauses = {"collections": [0, 0, 0], "seconds": 0.0, "longest_seconds": 0.0}
+    pauses = {"collections": [0, 0, 0], "seconds": 0.0, "longest_seconds": 0.0, "full_collections_at": []}
     started = []
 
     def callback(phase, info):
         if phase == "start":
+            if info["generation"] == 2:  # where a full collection struck (the code's frames only)
+                frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]]
+                pauses["full_collections_at"].append(frames[-8:])
             started.append(time.perf_counter())
         elif started:
             took = time.perf_counter() - started.pop()

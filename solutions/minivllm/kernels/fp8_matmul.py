@@ -78,7 +78,7 @@ def _block_fp8_matmul_kernel(
     out_ptr,  # [M, N]
     M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,7 +92,11 @@ def _block_fp8_matmul_kernel(
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         a_s = tl.load(a_s_ptr + m * stride_asm + k_start // GROUP_K, mask=m < M, other=0.0)  # [BLOCK_M]
         w_s = tl.load(w_scale_rows + k_start // GROUP_K, mask=n < N, other=0.0)  # [BLOCK_N]
-        y += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]  # [BLOCK_M, BLOCK_N] float32
+        if FP8_DOT:
+            d = tl.dot(a, tl.trans(w))  # [BLOCK_M, BLOCK_N] float32, on the fp8 tensor cores
+        else:  # a K step under 32, which the fp8 MMA does not take: e4m3 values are exact in tf32
+            d = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+        y += d * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m[:, None] < M) & (n[None, :] < N)
@@ -126,6 +130,6 @@ def block_fp8_matmul(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_
     _block_fp8_matmul_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else w_s, out,
         m, n, k, a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_K=group_k, **config,
+        HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_K=group_k, FP8_DOT=config["BLOCK_K"] >= 32, **config,
     )
     return out
