@@ -217,7 +217,8 @@ def test_tiny_fp8_checkpoint_loads_as_published(fp8_checkpoints):
     qkv = "model.layers.0.self_attn.qkv_proj"
     assert params[f"{qkv}.weight"].dtype == FP8_DTYPE
     assert params[f"{qkv}.weight_scale_inv"].shape == (128 // 16, 64 // 16)  # (q + k + v rows, hidden) / 16
-    assert params["model.embed_tokens.weight"].dtype == torch.float32  # the embedding is not quantized
+    # The embedding is not quantized: it keeps the engine's dtype (float32 on a CPU, bf16 on a GPU).
+    assert params["model.embed_tokens.weight"].dtype == llm.engine.config.dtype
     assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj.quant_method, Fp8BlockLinearMethod)
     # The keyword changes nothing for a checkpoint already in fp8.
     same = LLM(model=str(fp8), num_kv_blocks=64, block_size=8, quantization="fp8")
