@@ -10,6 +10,7 @@ page walks through one).
 
 This module sits below the engine, ``structured/`` and ``spec_decode/`` alike, so each of them
 can define a feature without importing the engine."""
+import weakref
 
 
 class StepFeature:
@@ -63,3 +64,10 @@ def hook_names() -> list[str]:
 def overridden_hooks(feature: type) -> list[str]:
     """The hooks a feature class overrides (the book's architecture figure is drawn from these)."""
     return [name for name in hook_names() if getattr(feature, name) is not getattr(StepFeature, name)]
+
+
+def weakly(method):
+    """``method`` (a bound method) as a function that does not keep its object alive: what
+    the engine hands its features, which it holds itself."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)

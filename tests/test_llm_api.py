@@ -455,3 +455,32 @@ def test_start_up_says_where_its_time_goes(caplog):
     assert phases and len(lines) == len(phases)
     for (name, seconds), line in zip(phases.items(), lines):
         assert line == f"start-up: {name.replace('_', ' ')} took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True}, {"async_scheduling": False, "speculative_config": {
+    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}])
+def test_an_engine_let_go_is_freed_at_once(engine_args):
+    """`del llm` frees the engine and its KV pool by reference counting alone, with every
+    feature in use (n, prompt logprobs, a grammar, speculation): no reference cycle keeps it
+    until the garbage collector's next full pass (on a GPU the next engine would size its
+    pool while the old one still held the memory)."""
+    import gc
+    import weakref
+
+    from minivllm.structured import StructuredOutputsParams
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        llm = LLM(num_kv_blocks=64, **engine_args)
+        params = [SamplingParams(max_tokens=4)]
+        if "speculative_config" not in engine_args:  # (speculation refuses the other features yet)
+            params += [SamplingParams(max_tokens=4, n=2), SamplingParams(max_tokens=4, prompt_logprobs=1),
+                       SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))]
+        llm.generate([[1, 2, 3]] * len(params), params, use_tqdm=False)
+        engine, kv_cache = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+        del llm
+        assert engine() is None and kv_cache() is None
+    finally:
+        if was_enabled:
+            gc.enable()
