@@ -15,13 +15,16 @@ One feature needs a token before it can sample: a grammar's mask depends on the 
 step in flight sampled. Such a step's forward pass goes on the device at once, and its
 sampling waits until step N is taken in (``sample_deferred``)."""
 import time
+import weakref
 
 from minivllm.engine.trace import profiler_range
 
 
 class OverlappedStep:
     def __init__(self, engine):
-        self.engine = engine  # the LLMEngine whose step this is
+        # The LLMEngine whose step this is, held weakly: the engine holds this object, and a
+        # cycle would keep an engine that was let go (its KV pool too) until a full collection.
+        self.engine = weakref.proxy(engine)
         self.in_flight = None  # the LaunchedStep on the device, whose tokens are not taken in yet
 
     def step(self) -> list:
