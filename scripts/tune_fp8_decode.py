@@ -17,6 +17,7 @@ import torch
 
 from minivllm.bench.roofline import measure_ceilings, time_cuda
 from minivllm.kernels.paged_attention import decode_config, paged_decode_attention
+from minivllm.ops.attention import value_cache_view
 
 SHAPES = [(256, 1024), (128, 2048), (64, 512)]  # (sequences, context tokens)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -32,7 +33,9 @@ def case(batch: int, context: int, dtype: torch.dtype, generator: torch.Generato
     if dtype == torch.float8_e4m3fn:
         scales = {"k_scale": torch.tensor([k.abs().max() / 448], device="cuda"),
                   "v_scale": torch.tensor([v.abs().max() / 448], device="cuda")}
-        k, v = (k / scales["k_scale"]).to(dtype), (v / scales["v_scale"]).to(dtype)
+        k, values = (k / scales["k_scale"]).to(dtype), (v / scales["v_scale"]).to(dtype)
+        v = value_cache_view(torch.empty_like(values))  # a float8 cache's values' layout
+        v.copy_(values)
     else:
         k, v = k.to(dtype), v.to(dtype)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)

@@ -15,7 +15,8 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.context import Context
-from minivllm.ops.attention import FP8_MAX, dequantize_kv, quantize_kv, store_kvcache, varlen_attention_reference
+from minivllm.ops.attention import (FP8_MAX, dequantize_kv, quantize_kv, store_kvcache, value_cache_view,
+                                    varlen_attention_reference)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -61,7 +62,8 @@ def random_fp8_cache(lens, kv_heads, head_dim, block_size, spare=3):
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_scale, v_scale = scales()
     k_cache = quantize_kv(3 * torch.randn(shape, device=DEVICE), FP8, k_scale)
-    v_cache = quantize_kv(torch.randn(shape, device=DEVICE), FP8, v_scale)
+    v_cache = value_cache_view(torch.empty(shape, device=DEVICE, dtype=FP8))  # its values' layout
+    v_cache.copy_(quantize_kv(torch.randn(shape, device=DEVICE), FP8, v_scale))
     perm = torch.randperm(num_blocks).tolist()
     tables, i = [], 0
     for b in blocks:
@@ -143,12 +145,13 @@ def test_store_kvcache_fp8(triton_kernel):
     k[0, 0, :4] = torch.tensor([1e4, -1e4, 8.96, -8.97])  # past 448 * 0.02: saturate
     v = torch.randn(6, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
     k_cache = quantize_kv(torch.randn(4, 4, kv_heads, head_dim, device=DEVICE), FP8, torch.tensor(0.1))
-    v_cache = quantize_kv(torch.randn(4, 4, kv_heads, head_dim, device=DEVICE), FP8, torch.tensor(0.1))
-    before_k, before_v = k_cache.clone(), v_cache.clone()
+    v_cache = value_cache_view(torch.empty(4, 4, kv_heads, head_dim, device=DEVICE, dtype=FP8))
+    v_cache.copy_(quantize_kv(torch.randn(4, 4, kv_heads, head_dim, device=DEVICE), FP8, torch.tensor(0.1)))
+    before_k, before_v = k_cache.clone(), v_cache.reshape(-1, kv_heads, head_dim).clone()
     slots = torch.tensor([3, 0, -1, 15, 6, 9], device=DEVICE)
     store = kv_store.store_kvcache if triton_kernel else store_kvcache
     store(k, v, k_cache, v_cache, slots, *scales())
-    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.reshape(-1, kv_heads, head_dim)
     kept = slots >= 0
     torch.testing.assert_close(flat_k[slots[kept]].float(), quantize_kv(k[kept], FP8, scales()[0]).float(),
                                atol=0, rtol=0 if not CUDA else 2**-3)
@@ -159,7 +162,7 @@ def test_store_kvcache_fp8(triton_kernel):
     untouched[slots[kept].cpu()] = False
     assert torch.equal(before_k.view(-1, kv_heads, head_dim)[untouched].view(torch.uint8),
                        flat_k[untouched].view(torch.uint8))
-    assert torch.equal(before_v.view(-1, kv_heads, head_dim)[untouched].view(torch.uint8),
+    assert torch.equal(before_v[untouched].view(torch.uint8),
                        flat_v[untouched].view(torch.uint8))
 
 
@@ -168,8 +171,33 @@ def test_store_needs_scales_for_fp8():
 
     k = torch.randn(2, 1, 16, device=DEVICE)
     cache = torch.zeros(2, 4, 1, 16, device=DEVICE, dtype=FP8)
+    values = value_cache_view(torch.zeros_like(cache))
     with pytest.raises(ValueError, match="k_scale and v_scale"):
-        kv_store.store_kvcache(k, k, cache, cache, torch.tensor([0, 1], device=DEVICE))
+        kv_store.store_kvcache(k, k, cache, values, torch.tensor([0, 1], device=DEVICE))
+
+
+def test_fp8_values_are_stored_key_contiguous():
+    """A float8 cache's values lie key-contiguous in memory ([blocks, kv_heads, head_dim,
+    block_size]), as the engine's pool gives them and as the Triton store writes them; a
+    cache in the keys' layout is refused, naming the layout; a NaN is stored as 0 (the pool
+    holds finite values only: the attention reads rows past a sequence's keys unmasked)."""
+    from minivllm.kernels import kv_store
+
+    blocks, block_size, kv_heads, head_dim = 3, 4, 2, 8
+    memory = torch.zeros(blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=FP8)
+    k_cache, v_cache = torch.zeros_like(memory), value_cache_view(memory)
+    v = torch.randn(2, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    v[0, 1, 3] = float("nan")
+    kv_store.store_kvcache(v, v, k_cache, v_cache, torch.tensor([5, 11], device=DEVICE), *scales())
+    # slot 5: block 1, row 1; slot 11: block 2, row 3; memory as [blocks, kv_heads, head_dim, block_size].
+    raw = memory.view(blocks, kv_heads, head_dim, block_size).float()
+    want = quantize_kv(v, FP8, scales()[1]).float().nan_to_num(0.0)
+    torch.testing.assert_close(raw[1, :, :, 1], want[0], atol=0, rtol=0 if not CUDA else 2**-3)
+    torch.testing.assert_close(raw[2, :, :, 3], want[1], atol=0, rtol=0 if not CUDA else 2**-3)
+    assert raw[1, 1, 3, 1].item() == 0.0 and not raw.isnan().any()
+    assert raw.count_nonzero() == want.count_nonzero()  # nothing written anywhere else
+    with pytest.raises(ValueError, match="v_cache must be .*value_cache_view"):
+        kv_store.store_kvcache(v, v, k_cache, memory, torch.tensor([5, 11], device=DEVICE), *scales())
 
 
 # -- the attention kernels on an fp8 cache -----------------------------------------------------
@@ -259,10 +287,14 @@ from minivllm.kernels.paged_attention import _prefill_kernel, _decode_kernel, pr
 from minivllm.kernels.kv_store import _store_kv_kernel
 target = GPUTarget("cuda", 90, 32)
 def build(fn, signature, constexprs, opts):
+    # Pointers and strides 16-divisible, as the launcher specialises them on a real cache.
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+             if kind[0] == "*" or name.startswith("stride_") and name != "stride_bt"}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=target, options=opts)
-    return kernel.metadata.shared
+    # Byte-wise loads from shared memory: a float8 tile gathered element by element.
+    return kernel.metadata.shared, kernel.asm["ptx"].count("ld.shared.b8")
 out = []
 head_dim, group = 128, 2
 # prefill: the default (NEW_KV: the bf16 step through tensor descriptors), FROM_SCRATCH, all gathered
@@ -295,7 +327,8 @@ for decode, direct in ((True, True), (True, False), (False, False)):
     out.append(["decode" if decode else "short", direct, build(_decode_kernel, sig, ce, launch)])
 sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_k": "i32", "stride_v": "i32"}
-out.append(["store", None, build(_store_kv_kernel, sig, {"ROW": 1024, "BLOCK": 1024, "USE_PDL": False}, {})])
+out.append(["store", None, build(_store_kv_kernel, sig, {"ROW": 1024, "BLOCK": 1024, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
+                                                  "USE_PDL": False}, {})])
 print(json.dumps(out))
 """
 
@@ -312,7 +345,12 @@ def test_kernels_compile_for_hopper_with_fp8_cache():
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert [r[0] for r in results] == ["prefill"] * 3 + ["decode", "decode", "short", "store"]
-    assert all(shared <= 232448 for *_, shared in results), results  # the H200's shared memory per block
+    assert all(shared <= 232448 for *_, (shared, _) in results), results  # the H200's shared memory per block
+    # The split-context kernel takes its key and value tiles into the tensor cores without a
+    # byte-wise gather (its values key-contiguous, kv_store.py): at a decode step's rate a
+    # gather costs more than the halved bytes save. (A decode step's newest key, one row once
+    # a program, takes 8 such loads; the value tiles in the keys' layout took 136.)
+    assert all(byte_loads <= 8 for name, _, (_, byte_loads) in results if name in ("decode", "short")), results
 
 
 def test_bf16_cache_never_reads_the_scales():

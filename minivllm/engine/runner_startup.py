@@ -28,7 +28,7 @@ from minivllm.engine.step_inputs import PinnedStaging, StepInputs
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import lm_heads
 from minivllm.layers.linear import linear_layers
-from minivllm.ops.attention import is_fp8
+from minivllm.ops.attention import is_fp8, value_cache_view
 from minivllm.sampling_params import SamplingParams
 
 # The sizes of the eager steps that compile_steps lays out, in tokens.
@@ -110,12 +110,15 @@ def warmup(model, config: EngineConfig, device: torch.device) -> None:
 
 def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-    """The KV pool in the cache's ``dtype``, each attention layer given a view of its slice."""
+    """The KV pool in the cache's ``dtype``, each attention layer given a view of its slice
+    (a float8 cache's values in their key-contiguous layout, and the pool zeroed: the
+    attention reads rows past a sequence's keys unmasked, so every value must be finite)."""
     first = layers[0]
-    kv_cache = torch.empty(2, len(layers), num_blocks, block_size, first.num_kv_heads, first.head_dim,
-                           dtype=dtype, device=device)
+    empty = torch.zeros if is_fp8(dtype) else torch.empty
+    kv_cache = empty(2, len(layers), num_blocks, block_size, first.num_kv_heads, first.head_dim, dtype=dtype,
+                     device=device)
     for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        layer.k_cache, layer.v_cache = kv_cache[0, i], value_cache_view(kv_cache[1, i])
     return kv_cache
 
 

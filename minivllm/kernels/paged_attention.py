@@ -31,8 +31,9 @@ a tile ahead of the loads that need it. Each K/V tile is read once per query til
 from L2: 2 * kv_len * num_kv_heads * head_dim * dtype_size * cdiv(q_len, BLOCK_M) / 2 bytes.
 
 A float8 cache (chapter 20) holds k / k_scale and v / v_scale, one scale per layer for each.
-Every kernel loads its tiles as they are and converts them to the query's dtype in
-registers (exact: e4m3's values are all bf16 values), and never multiplies a key or a value
+Every kernel loads its tiles as they are and converts them in registers to float16, the
+query with them (``attention_input``: e4m3 to float16 is one instruction per two
+elements, exact), and never multiplies a key or a value
 by its scale: q . (k_scale * k) = k_scale * (q . k), so k_scale joins the softmax scale,
 one multiply per program; and sum_j p_j * (v_scale * v_j) = v_scale * sum_j p_j * v_j, so
 v_scale multiplies the output once, at the end. The step's own keys and values, which the
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
-from minivllm.kernels.kv_store import kv_scales, load_kv_scale, quantize_kv
+from minivllm.kernels.kv_store import attention_input, kv_scales, load_kv_scale, quantize_kv, value_offsets
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
@@ -159,7 +160,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
     return m, l, acc
     # END SOLUTION
@@ -173,7 +174,7 @@ def _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b, kv_head, split,
-                       newest, start, end, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt,
+                       newest, start, end, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh, stride_vnt,
                        stride_vnh, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """A decode step's own key and value (position ``newest``, not in the cache yet): the
     program whose keys [start, end) hold it folds it into the running softmax from
@@ -195,13 +196,14 @@ def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr
     if (split == 0) & (slot >= 0):
         row = _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE)
         tl.store(k_cache_ptr + row + d, k_new)
-        tl.store(v_cache_ptr + row + d, v_new)
+        tl.store(v_cache_ptr + value_offsets(slot, kv_head, d, stride_cb, stride_cs, stride_ch, v_cache_ptr, HEAD_DIM,
+                                             BLOCK_SIZE), v_new)
     return m, l, acc
 
 
 @triton.jit
 def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, q_len,
-                      kv_head, head_off, stride_cb, stride_cs, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                      kv_head, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh, stride_vnt, stride_vnh,
                       window, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_QK: tl.constexpr, PRECISION: tl.constexpr):
     """A short prefill's own keys and values (tokens q_start .. q_start + q_len - 1 of the
@@ -226,9 +228,12 @@ def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_
     m, l, acc = _online_softmax_update(m, l, acc, s, v_new.to(q.dtype), qk_scale, PRECISION)
     slot = tl.load(slot_ptr + q_start + j, mask=j_valid, other=-1)
     keep = slot >= 0
-    dst = _cache_rows(tl.where(keep, slot, 0), head_off, stride_cb, stride_cs, BLOCK_SIZE)
+    slot = tl.where(keep, slot, 0)
+    dst = _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE)
     tl.store(k_cache_ptr + dst[:, None] + d[None, :], k_new, mask=keep[:, None])
-    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v_new, mask=keep[:, None])
+    v_dst = value_offsets(slot[:, None], kv_head, d[None, :], stride_cb, stride_cs, stride_ch, v_cache_ptr, HEAD_DIM,
+                          BLOCK_SIZE)
+    tl.store(v_cache_ptr + v_dst, v_new, mask=keep[:, None])
     return m, l, acc
 
 
@@ -307,6 +312,7 @@ def _decode_kernel(
         first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
     q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
                                                  GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
+    q = attention_input(q, k_cache_ptr)  # a float8 cache's tiles are taken in float16
     m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
@@ -326,13 +332,13 @@ def _decode_kernel(
     if DECODE:
         if NEW_KV:
             m, l, acc = _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                                           b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs,
+                                           b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs, stride_ch,
                                            stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, k_scale,
                                            v_scale, HEAD_DIM, BLOCK_SIZE)
     else:
         if split == 0:
             m, l, acc = _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                                          q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_knt,
+                                          q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_ch, stride_knt,
                                           stride_knh, stride_vnt, stride_vnh, window, qk_scale, k_scale, v_scale,
                                           HEAD_DIM, BLOCK_SIZE, BLOCK_QK, PRECISION)
     # Every value went in as the cache holds it (v / v_scale): one multiply gives them back.
@@ -478,7 +484,7 @@ def _split_context_attention(grid, q, k_cache, v_cache, block_tables, context_le
     combines them. ``tile``: the kernel's variant (DECODE, NEW_KV) and query tile (BLOCK_G,
     BLOCK_Q, BLOCK_QK); ``k_scale``, ``v_scale``: a float8 cache's scales."""
     part_out, part_lse = split_buffers(out, grid[2])
-    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
+    k_scale, v_scale = kv_scales(k_cache, v_cache, k_scale, v_scale)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens, part_out, part_lse, k, v, slots, k_scale, v_scale,
         scale,
@@ -549,6 +555,29 @@ def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
         return block * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
 
 
+@triton.jit
+def _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
+    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
+    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): the
+    tile is read as [HEAD_DIM, BLOCK_N], runs of min(BLOCK_SIZE, BLOCK_N) keys each 16-byte
+    aligned and contiguous, and transposed in registers; it is read unmasked (a float8 pool
+    holds finite values only, and an invisible key's weight is exactly 0)."""
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        block_start = rows // stride_cb * stride_cb
+        within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
+        cols = block_start + within % stride_cs * BLOCK_SIZE + within // stride_cs
+        RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+        cols = tl.max_contiguous(tl.multiple_of(cols, RUN), RUN)
+        v = tl.trans(tl.load(v_cache_ptr + cols[None, :] + d[:, None] * BLOCK_SIZE))
+    elif valid is None:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return v
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -592,6 +621,7 @@ def _prefill_kernel(
     row_valid = (m_idx < q_len) & (g < GROUP)
     q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
+    q = attention_input(q, k_cache_ptr)  # a float8 cache's tiles are taken in float16
     q_pos = offset + m_idx
     # A float8 cache's scales fold into the softmax scale (keys) and the output (values).
     k_scale = load_kv_scale(k_scale_ptr, k_cache_ptr)
@@ -644,7 +674,7 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)),
                            input_precision=PRECISION)
-            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, None, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -677,7 +707,7 @@ def _prefill_kernel(
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -824,7 +854,7 @@ def paged_prefill_attention(
         config["NEW_KV"] = k_new is not None and v_new is not None
     config["FROM_SCRATCH"] = config["FROM_SCRATCH"] and config["NEW_KV"]
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), num_seqs, num_kv_heads)
-    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
+    k_scale, v_scale = kv_scales(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_new, v_new, block_tables, context_lens, cu_seqlens_q, out, k_scale, v_scale, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

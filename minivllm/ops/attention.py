@@ -76,17 +76,18 @@ def store_kvcache(
     """Write each new token's key and value into its slot of the cache.
 
     The cache is [num_blocks, block_size, num_kv_heads, head_dim]; slot s is row
-    s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
+    s % block_size of block s // block_size (indexed so, not through a flat view: a float8
+    cache's values are laid out another way, ``value_cache_view``).
     Slot -1 marks a padding token that must not be stored. A float8 cache stores
     ``quantize_kv`` of them with the layer's ``k_scale`` and ``v_scale``.
     """
     k, v = quantize_kv(k, k_cache.dtype, k_scale), quantize_kv(v, v_cache.dtype, v_scale)
     # BEGIN SOLUTION ch05 store_kvcache
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid]
+    k_cache[slots // block_size, slots % block_size] = k[valid]
+    v_cache[slots // block_size, slots % block_size] = v[valid]
     # END SOLUTION
 
 
@@ -121,6 +122,18 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
         return x
     return (x.float() * scale).to(dtype)
     # END SOLUTION
+
+
+def value_cache_view(memory: torch.Tensor) -> torch.Tensor:
+    """The V cache in a contiguous buffer ``memory`` [num_blocks, block_size, kv_heads,
+    head_dim]: itself, or for a float8 cache the same memory read key-contiguous
+    ([num_blocks, kv_heads, head_dim, block_size], the layout its attention kernels load
+    fast: kernels/kv_store.py says why), seen through strides in the usual shape, so that
+    torch code indexes it as any cache."""
+    if not is_fp8(memory.dtype):
+        return memory
+    num_blocks, block_size, kv_heads, head_dim = memory.shape
+    return memory.view(num_blocks, kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -76,16 +76,18 @@ def store_kvcache(
     """Write each new token's key and value into its slot of the cache.
 
     The cache is [num_blocks, block_size, num_kv_heads, head_dim]; slot s is row
-    s % block_size of block s // block_size, i.e. row s of the cache seen as flat slots.
+    s % block_size of block s // block_size (indexed so, not through a flat view: a float8
+    cache's values are laid out another way, ``value_cache_view``).
     Slot -1 marks a padding token that must not be stored. A float8 cache stores
     ``quantize_kv`` of them with the layer's ``k_scale`` and ``v_scale``.
     """
     k, v = quantize_kv(k, k_cache.dtype, k_scale), quantize_kv(v, v_cache.dtype, v_scale)
     raise NotImplementedError(
-        "ch05: store_kvcache: the cache seen as flat slots is [num_blocks times block_size, kv "
-        "heads, head_dim], a view, not a copy; write each token's key and value into the row its "
-        "slot names. Slot -1 is a padding token: store nothing for it. Pitfall: a view through "
-        "reshape may copy, and the write is then lost, see notebooks/05_paged_blocks.ipynb"
+        "ch05: store_kvcache: write each token's key and value into the row its slot names, row "
+        "slot mod block_size of block slot // block_size, assigning into the cache itself. Slot -1 "
+        "is a padding token: store nothing for it. Pitfall: a write into a reshaped cache may go "
+        "into a copy and be lost (chapter 20 lays float8 values out so that reshaping them "
+        "copies), see notebooks/05_paged_blocks.ipynb"
     )
 
 
@@ -123,6 +125,18 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
         "rounds twice); entries of any other dtype come back as they are, see "
         "notebooks/20_quantization.ipynb"
     )
+
+
+def value_cache_view(memory: torch.Tensor) -> torch.Tensor:
+    """The V cache in a contiguous buffer ``memory`` [num_blocks, block_size, kv_heads,
+    head_dim]: itself, or for a float8 cache the same memory read key-contiguous
+    ([num_blocks, kv_heads, head_dim, block_size], the layout its attention kernels load
+    fast: kernels/kv_store.py says why), seen through strides in the usual shape, so that
+    torch code indexes it as any cache."""
+    if not is_fp8(memory.dtype):
+        return memory
+    num_blocks, block_size, kv_heads, head_dim = memory.shape
+    return memory.view(num_blocks, kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
