@@ -72,6 +72,50 @@ def test_a_run_compiles_nothing_after_startup(tiny_qwen3, enforce_eager):
     assert compiled == [], f"{len(compiled)} kernels compiled inside the run: {compiled[:5]}"
 
 
+@pytest.mark.gpu
+def test_compile_ahead_leaves_the_startup_passes_nothing_to_compile(tmp_path, monkeypatch):
+    """On the GPU, start-up compiles the graph passes' and eager steps' kernels ahead, on many
+    threads (kernels.compile_ahead): the graph captures and compiling steps after it compile
+    nothing themselves, and the engine gives transformers-free greedy tokens identical to an
+    engine started without it. A model shape no other test uses, so that its kernels are
+    new to this process."""
+    from minivllm.bench.compiles import triton_compiles
+    from minivllm.engine.runner_startup import RunnerStartup
+    from minivllm.kernels import sampling
+    from minivllm.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", family="qwen3", seed=5, hidden_size=96, num_attention_heads=6,
+                                num_key_value_heads=3, head_dim=32, intermediate_size=160)
+    compiled_in = {}
+    capture, compile_kernels = RunnerStartup.capture_cudagraphs, RunnerStartup.compile_kernels
+
+    def recording(name, fn):
+        def call(self, *args, **kwargs):
+            dry = kwargs.get("dry") or kwargs.get("sample") is False
+            with triton_compiles() as compiled:
+                fn(self, *args, **kwargs)
+            compiled_in.setdefault(f"{name} (ahead)" if dry else name, []).extend(compiled)
+        return call
+
+    monkeypatch.setattr(RunnerStartup, "capture_cudagraphs", recording("graphs", capture))
+    monkeypatch.setattr(RunnerStartup, "compile_kernels", recording("steps", compile_kernels))
+    llm = LLM(str(path), max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512)
+    assert "compile_ahead" in llm.engine.runner.startup_seconds
+    assert compiled_in["graphs (ahead)"] and compiled_in["graphs"] == [], compiled_in
+    # The compiling steps' own compiles are the sampler's kernels only (not run ahead).
+    sampler_kernels = {name for name in dir(sampling) if name.endswith("_kernel")}
+    assert {c.split("[")[0] for c in compiled_in["steps"]} <= sampler_kernels, compiled_in["steps"]
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 90)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    monkeypatch.setenv("MINIVLLM_COMPILE_AHEAD", "0")
+    plain = LLM(str(path), max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512)
+    assert "compile_ahead" not in plain.engine.runner.startup_seconds
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == got
+    plain.shutdown()
+
+
 def test_startup_is_timed_by_phase(tiny_qwen3):
     """``minivllm bench throughput`` reports where construction's time goes: on the CPU the
     weights and the KV pool (no graphs to capture, nothing compiled ahead)."""

@@ -11,6 +11,7 @@ attention layer gets a view of its slice.
 ``RunnerStartup`` holds these steps as the model runner's methods (``ModelRunner`` derives
 from it), so that ``engine.model_runner`` holds only what runs at every step.
 """
+import contextlib
 import logging
 import sys
 import time
@@ -225,7 +226,17 @@ class RunnerStartup:
 
     def _prepare_gpu(self) -> None:
         """Capture the CUDA graphs (unless enforce_eager), compile the eager steps' kernels and
-        warm the matmuls, so that a user's first steps run at speed."""
+        warm the matmuls, so that a user's first steps run at speed. The Triton kernels of
+        those passes are compiled first, on many threads at once: the same passes, every
+        launch a compile (kernels.compile_ahead)."""
+        from minivllm.kernels import compile_ahead
+
+        if compile_ahead.available():
+            with self._startup_phase("compile_ahead"), compile_ahead.compile_only():
+                if not self.config.enforce_eager:
+                    self.capture_cudagraphs(dry=True)
+                # (Not the sampler's kernels: it reads what they computed.)
+                self.compile_kernels(sample=False, decode_graphs=not self.config.enforce_eager)
         if not self.config.enforce_eager:
             self.capture_cudagraphs()
         with self._startup_phase("compile_kernels"):
@@ -307,18 +318,22 @@ class RunnerStartup:
                            max_model_len, limit, self.num_kv_blocks, self.block_size)
         return max_model_len
 
-    def capture_cudagraphs(self) -> None:
+    def capture_cudagraphs(self, dry: bool = False) -> None:
         """Capture the CUDA graphs this engine replays (minivllm.engine.cuda_graphs): the
-        decode graphs, and on one device the prefill and verify graphs."""
+        decode graphs, and on one device the prefill and verify graphs (``dry``: their
+        passes only, nothing captured)."""
         spec = self.config.speculative
         dispatcher = CudaGraphDispatcher.plan(
             self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
             spec.num_speculative_tokens if spec is not None else None, hybrid=bool(self.state_layers),
             tensor_parallel=get_tp_world_size() > 1)
-        self.cudagraphs = CudaGraphs(dispatcher, hybrid=bool(self.state_layers))
+        graphs = CudaGraphs(dispatcher, hybrid=bool(self.state_layers))
         max_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-        self.cudagraphs.capture(self.model, max_blocks, self.max_model_len, self.model_config.hidden_size,
-                                self.config.dtype, self.device, self._startup_phase)
+        phase = (lambda name: contextlib.nullcontext()) if dry else self._startup_phase
+        graphs.capture(self.model, max_blocks, self.max_model_len, self.model_config.hidden_size, self.config.dtype,
+                       self.device, phase, dry)
+        if not dry:
+            self.cudagraphs = graphs
 
     @property
     def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
@@ -331,21 +346,24 @@ class RunnerStartup:
         return self.cudagraphs.dispatcher.sizes.get(DECODE, [])
 
     @torch.inference_mode()
-    def compile_kernels(self) -> None:
+    def compile_kernels(self, sample: bool = True, decode_graphs: bool | None = None) -> None:
         """Run each kind of eager step once (``runner_startup.compile_steps``), so that Triton
-        compiles its kernels here and not inside the user's first run, then the sampler's.
-        The kernels do not specialise on what varies from step to step (``do_not_specialize``,
-        aligned fields), so these steps reach every variant a run can. They write into the
-        first KV blocks and state slots, which hold nothing yet."""
+        compiles its kernels here and not inside the user's first run, then (``sample``) the
+        sampler's. The kernels do not specialise on what varies from step to step
+        (``do_not_specialize``, aligned fields), so these steps reach every variant a run
+        can. They write into the first KV blocks and state slots, which hold nothing yet.
+        ``decode_graphs``: whether decode steps replay graphs (default: whether any are
+        captured), which leaves the eager decode step out."""
         limit = min(self.config.max_num_batched_tokens, self.max_model_len)
         logits = None
         for step in compile_steps(self.block_size, limit, self.max_model_len, self.config.max_num_seqs,
-                                  self.num_kv_blocks, decode_graphs=bool(self.graphs)):
+                                  self.num_kv_blocks, decode_graphs=bool(self.graphs) if decode_graphs is None
+                                  else decode_graphs):
             input_ids, positions = self.upload_on_this_rank(step)
             if self.state_layers:  # slots 0.., starting from zeros
                 self._set_state_slots(np.array([range(step.num_seqs), [0] * step.num_seqs], dtype=np.int64))
             logits, _ = self.execute(input_ids, positions)
-        if logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
+        if sample and logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
             rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
             self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
         if self.device.type == "cuda":

@@ -237,10 +237,11 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self, model: Callable, max_blocks: int, max_context_len: int, hidden_size: int, dtype: torch.dtype,
-                device: torch.device, phase: Callable[[str], AbstractContextManager]) -> None:
+                device: torch.device, phase: Callable[[str], AbstractContextManager], dry: bool = False) -> None:
         """Capture every graph the dispatcher names, kind by kind (each in its start-up
         ``phase``), largest first, all in one memory pool. The attention kernels are sized
-        for ``max_context_len``, the longest context any replay may see."""
+        for ``max_context_len``, the longest context any replay may see. ``dry``: run each
+        graph's pass once and capture nothing (compiling ahead: kernels.compile_ahead)."""
         pool = None
         for name, keys in self.dispatcher.capture_order():
             with phase(name):
@@ -251,6 +252,9 @@ class CudaGraphs:
                 self.static[keys[0].kind] = StaticInputs(self._fields(keys[0].kind), seqs, tokens, max_blocks, hidden,
                                                          constant)
                 for key in keys:
+                    if dry:
+                        self._pass(model, key, max_context_len)
+                        continue
                     self.graphs[key] = self._capture(model, key, max_context_len, pool)
                     self.replays[key] = 0
                     pool = pool or self.graphs[key].pool()
@@ -261,11 +265,12 @@ class CudaGraphs:
         states = (STATE_FIELDS if kind == VERIFY else STATE_FIELDS[:2]) if self.hybrid else ()
         return [name for name, _, _ in GRAPH_INPUTS if name not in STATE_FIELDS or name in states]
 
-    def _capture(self, model: Callable, key: GraphKey, max_context_len: int, pool) -> torch.cuda.CUDAGraph:
+    def _pass(self, model: Callable, key: GraphKey, max_context_len: int, graph: torch.cuda.CUDAGraph | None = None,
+              pool=None) -> None:
         """Run the model once on the static inputs of ``key``'s size (Triton compiles its
-        kernels here), then capture the same pass into a graph in the shared memory
-        ``pool``. Captured as a step from scratch of ``q`` tokens per sequence; a decode
-        graph with no context (its buffers' zeros)."""
+        kernels here), and with a ``graph`` capture the same pass into it, in the shared
+        memory ``pool``. A step from scratch of ``q`` tokens per sequence; a decode step
+        with no context (its buffers' zeros)."""
         s, (seqs, tokens, q) = self._static_of(key), self.dispatcher.shape(key)
         b = s.buffers
         b["cu_seqlens_q"][: seqs + 1] = torch.arange(seqs + 1, device=b["cu_seqlens_q"].device) * q
@@ -274,13 +279,18 @@ class CudaGraphs:
         s.context(seqs, tokens, is_prefill=q > 1, max_seqlen_q=q, max_context_len=max_context_len,
                   from_scratch=key.kind == SCRATCH)
         try:
-            graph = torch.cuda.CUDAGraph()
             s.hidden[:tokens] = model(b["input_ids"][:tokens], b["positions"][:tokens])
-            with torch.cuda.graph(graph, pool):
-                s.hidden[:tokens] = model(b["input_ids"][:tokens], b["positions"][:tokens])
-            torch.cuda.synchronize()
+            if graph is not None:
+                with torch.cuda.graph(graph, pool):
+                    s.hidden[:tokens] = model(b["input_ids"][:tokens], b["positions"][:tokens])
+                torch.cuda.synchronize()
         finally:
             reset_context()
+
+    def _capture(self, model: Callable, key: GraphKey, max_context_len: int, pool) -> torch.cuda.CUDAGraph:
+        """``key``'s graph, captured after one eager pass (``_pass``)."""
+        graph = torch.cuda.CUDAGraph()
+        self._pass(model, key, max_context_len, graph, pool)
         return graph
 
     def replay(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Compiling a start-up's Triton kernels on many threads at once.
+
+On a fresh machine (Triton's disk cache empty) most of an engine's start-up is Triton's
+compiler: each kernel variant the start-up's passes launch (the CUDA graphs' batch sizes, the
+eager steps of ``compile_kernels``) compiles at its first launch, one after another, while the
+GPU waits. Compiling is CPU work, and most of it (the MLIR passes, ptxas) runs outside
+Python's lock, so it spreads over cores.
+
+``compile_only()`` runs a block of code with every Triton launch turned into a compile
+request: Triton's ``AsyncCompileMode`` hands each kernel variant not yet compiled to a pool of
+threads, and the launch itself is skipped (the launch's ``warmup`` flag: compile, do not run).
+Leaving the block waits for every compile and puts the kernels in each kernel's own cache,
+where the real passes find them. Inside the block the torch operations still run, on
+whatever the skipped kernels left in their outputs: nothing computed there may be used.
+
+The start-up runs its graph and eager passes once inside it, then for real
+(``RunnerStartup._prepare_gpu``); ``MINIVLLM_COMPILE_AHEAD=0`` turns it off.
+"""
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import triton
+from triton.runtime.jit import JITFunction
+
+
+def available() -> bool:
+    """Does this Triton have its asynchronous compile mode, and is it not turned off?"""
+    return hasattr(triton, "AsyncCompileMode") and os.environ.get("MINIVLLM_COMPILE_AHEAD", "1") != "0"
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None):
+    """Within the block, Triton launches compile on ``workers`` threads (default: the CPU
+    count, at most 32) and do not run; on leaving it, every compile has finished."""
+    workers = workers or min(32, os.cpu_count() or 1)
+    launch = JITFunction.run
+
+    def compile_without_launching(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        JITFunction.run = compile_without_launching
+        try:
+            with triton.AsyncCompileMode(pool):
+                yield
+        finally:
+            JITFunction.run = launch
