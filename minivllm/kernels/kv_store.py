@@ -128,7 +128,8 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         want = (block_size * kv_heads * head_dim, 1, head_dim * block_size, block_size)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.stride() != want:
         raise ValueError(f"v_cache must be k_cache's shape and dtype with strides {want} "
-                         f"(ops.attention.value_cache_view), got {tuple(v_cache.shape)}, {v_cache.dtype}, {v_cache.stride()}")
+                         f"(ops.attention.value_cache_view), got {tuple(v_cache.shape)}, {v_cache.dtype}, "
+                         f"{v_cache.stride()}")
 
 
 def store_kvcache(

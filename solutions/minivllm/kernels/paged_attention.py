@@ -172,8 +172,8 @@ def _cache_rows(slot, head_off, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b, kv_head, split,
-                       newest, start, end, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh, stride_vnt,
-                       stride_vnh, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                       newest, start, end, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh,
+                       stride_vnt, stride_vnh, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """A decode step's own key and value (position ``newest``, not in the cache yet): the
     program whose keys [start, end) hold it folds it into the running softmax from
     registers, as the cache holds them (k_scale, v_scale: a float8 cache's), and split 0
@@ -201,8 +201,8 @@ def _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr
 
 @triton.jit
 def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, q_start, q_len,
-                      kv_head, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                      window, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      kv_head, head_off, stride_cb, stride_cs, stride_ch, stride_knt, stride_knh, stride_vnt,
+                      stride_vnh, window, qk_scale, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_QK: tl.constexpr, PRECISION: tl.constexpr):
     """A short prefill's own keys and values (tokens q_start .. q_start + q_len - 1 of the
     step, not in the cache yet), for split 0: folded into the running softmax of the query
@@ -328,14 +328,14 @@ def _decode_kernel(
     if DECODE:
         if NEW_KV:
             m, l, acc = _attend_newest_key(m, l, acc, q, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                                           b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs, stride_ch,
-                                           stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, k_scale,
+                                           b, kv_head, split, q_pos0, start, end, head_off, stride_cb, stride_cs,
+                                           stride_ch, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, k_scale,
                                            v_scale, HEAD_DIM, BLOCK_SIZE)
     else:
         if split == 0:
             m, l, acc = _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                                          q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_ch, stride_knt,
-                                          stride_knh, stride_vnt, stride_vnh, window, qk_scale, k_scale, v_scale,
+                                          q_start, q_len, kv_head, head_off, stride_cb, stride_cs, stride_ch,
+                                          stride_knt, stride_knh, stride_vnt, stride_vnh, window, qk_scale, k_scale, v_scale,
                                           HEAD_DIM, BLOCK_SIZE, BLOCK_QK, PRECISION)
     # Every value went in as the cache holds it (v / v_scale): one multiply gives them back.
     acc = acc * v_scale
