@@ -12,14 +12,18 @@ from contextlib import contextmanager
 @contextmanager
 def triton_compiles():
     """Collect, in the list this yields, the name and specialisation of every kernel that
-    Triton compiles or loads from its disk cache inside the block."""
+    Triton compiles or loads from its disk cache inside the block, each once (compiling
+    ahead, kernels.compile_ahead, asks for a kernel at every launch until it is ready)."""
     from triton import knobs
 
     seen: list[str] = []
+    keys: set = set()
     previous = knobs.runtime.jit_cache_hook
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        seen.append(repr)
+        if (repr, key) not in keys:
+            keys.add((repr, key))
+            seen.append(repr)
         if previous is not None:
             return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                             already_compiled=already_compiled)
