@@ -7,7 +7,9 @@ over what the cache holds, so on the CPU they agree to float32 rounding. Triton'
 rounds float32 -> float8 half away from zero and drops the carry when the rounding overflows
 the mantissa (124 -> 64); the GPU rounds to nearest even, as torch does. The fixture
 ``interpreter_rounds_like_torch`` gives the interpreter torch's conversion, so that the
-comparison tests the kernels, not the interpreter.
+comparison tests the kernels, not the interpreter. The engine tests of tiny CPU-sized pools
+run on the CPU wherever the suite runs (a GPU sizes its pool from free memory, which an
+earlier engine of the same test still holds); ``test_gpu_engine_fp8_cache`` is the GPU's.
 """
 import numpy as np
 import pytest
@@ -399,7 +401,8 @@ def test_engine_fp8_cache_agrees_with_auto(tiny_qwen3):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
     top1, runners = {}, {}
     for kv_cache_dtype in ("auto", "fp8"):
-        llm = LLM(model=str(tiny_qwen3), kv_cache_dtype=kv_cache_dtype, block_size=4, cpu_kv_cache_space=0.001,
+        llm = LLM(model=str(tiny_qwen3), device="cpu", kv_cache_dtype=kv_cache_dtype, block_size=4,
+                  cpu_kv_cache_space=0.001,
                   max_num_batched_tokens=16)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
@@ -445,9 +448,10 @@ def test_engine_features_keep_working_on_fp8_cache(tiny_qwen3, feature):
     from minivllm import LLM
 
     prompts, params = feature_workload(forks="speculative_config" not in FEATURES[feature])
-    plain = LLM(model=str(tiny_qwen3), kv_cache_dtype="fp8", num_kv_blocks=512, block_size=4,
+    plain = LLM(model=str(tiny_qwen3), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=512, block_size=4,
                 enable_prefix_caching=False)
-    with_feature = LLM(model=str(tiny_qwen3), kv_cache_dtype="fp8", record_trace=True, **FEATURES[feature])
+    with_feature = LLM(model=str(tiny_qwen3), device="cpu", kv_cache_dtype="fp8", record_trace=True,
+                       **FEATURES[feature])
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [[c.token_ids for c in o.outputs] for o in with_feature.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -468,8 +472,8 @@ def test_hybrid_model_attention_layers_on_fp8_cache(hybrid_checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     top1 = {}
     for kv_cache_dtype in ("auto", "fp8"):
-        llm = LLM(model=str(hybrid_checkpoint("qwen3_5")), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
-                  block_size=4)
+        llm = LLM(model=str(hybrid_checkpoint("qwen3_5")), device="cpu", kv_cache_dtype=kv_cache_dtype,
+                  num_kv_blocks=64, block_size=4)
         top1[kv_cache_dtype] = [next(t for t, lp in d.items() if lp.rank == 1)
                                 for o in llm.generate(prompts, params, use_tqdm=False) for d in o.prompt_logprobs[1:]]
         assert all(layer.k_cache.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)

@@ -220,7 +220,10 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path):
     path = str(make_tiny_checkpoint(tmp_path, family="qwen3", seed=3))
     prompts = random_prompts(5, (30, 9, 50))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    engine_args = dict(dtype="float32", num_kv_blocks=120, block_size=8, max_num_batched_tokens=128, **FP8)
+    # On the CPU (two gloo processes) wherever the suite runs: a one-GPU machine has no
+    # second device for rank 1 (the two-GPU engine is tests/test_tensor_parallel.py's).
+    engine_args = dict(dtype="float32", device="cpu", num_kv_blocks=120, block_size=8, max_num_batched_tokens=128,
+                       **FP8)
     with torch_threads(1):
         one = LLM(path, **engine_args)
         want, want_scales = one.generate(prompts, params, use_tqdm=False), scales(one)
