@@ -72,6 +72,35 @@ def test_a_run_compiles_nothing_after_startup(tiny_qwen3, enforce_eager):
     assert compiled == [], f"{len(compiled)} kernels compiled inside the run: {compiled[:5]}"
 
 
+def test_compile_only_turns_this_threads_launches_into_compiles(monkeypatch):
+    """``kernels.compile_ahead.compile_only``: inside it a Triton launch on the thread that
+    entered it is a compile request (warmup, with Triton's compile mode active there);
+    another thread's launch (an engine already stepping) runs as it would; on leaving, the
+    launch is Triton's again."""
+    import threading
+
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    from minivllm.kernels import compile_ahead
+
+    seen = []
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        seen.append((threading.current_thread().name, warmup, _async_compile.active_mode.get() is not None))
+
+    monkeypatch.setattr(JITFunction, "run", launch)
+    with compile_ahead.compile_only(workers=2):
+        JITFunction.run(None, grid=(1,), warmup=False)
+        other = threading.Thread(target=lambda: JITFunction.run(None, grid=(1,), warmup=False), name="stepping")
+        other.start()
+        other.join()
+    JITFunction.run(None, grid=(1,), warmup=False)
+    this = threading.current_thread().name
+    assert seen == [(this, True, True), ("stepping", False, False), (this, False, False)]
+    assert JITFunction.run is launch
+
+
 @pytest.mark.gpu
 def test_compile_ahead_leaves_the_startup_passes_nothing_to_compile(tmp_path, monkeypatch):
     """On the GPU, start-up compiles the graph passes' and eager steps' kernels ahead, on many

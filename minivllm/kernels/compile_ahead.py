@@ -18,10 +18,15 @@ The start-up runs its graph and eager passes once inside it, then for real
 """
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import triton
 from triton.runtime.jit import JITFunction
+
+
+# One block at a time in a process: each saves and restores JITFunction.run.
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def available() -> bool:
@@ -34,12 +39,16 @@ def compile_only(workers: int | None = None):
     """Within the block, Triton launches compile on ``workers`` threads (default: the CPU
     count, at most 32) and do not run; on leaving it, every compile has finished."""
     workers = workers or min(32, os.cpu_count() or 1)
-    launch = JITFunction.run
+    owner = threading.get_ident()
 
     def compile_without_launching(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+        # Only this thread's launches: another thread of the process (an engine already
+        # stepping) launches as usual. (Triton's compile mode is a context variable: this
+        # thread's only, too.)
+        return launch(self, *args, grid=grid, warmup=warmup or threading.get_ident() == owner, **kwargs)
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+    with _ONE_AT_A_TIME, ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        launch = JITFunction.run
         JITFunction.run = compile_without_launching
         try:
             with triton.AsyncCompileMode(pool):
