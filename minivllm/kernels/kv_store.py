@@ -37,9 +37,9 @@ def load_kv_scale(scale_ptr, cache_ptr):
 def attention_input(q, cache_ptr):
     """q in the dtype an attention kernel takes q, K and V tiles in. For a float8 cache:
     float16. e4m3 becomes float16 in one packed instruction per two elements
-    (cvt.rn.f16x2.e4m3x2), while bfloat16 takes that and a conversion per element more, and
-    at a decode step's rate of elements those conversions, not the halved bytes, set the
-    kernel's time. float16 holds every e4m3 value exactly, and q's values with three more
+    (cvt.rn.f16x2.e4m3x2), where bfloat16 takes that and two more on sm_90: fewer
+    instructions per element in a kernel that reads a great many. float16 holds every e4m3
+    value exactly, and q's values with three more
     mantissa bits than bfloat16 (within its +-65,504: normalised queries are far inside).
     float32 queries (a parity run's) and any other cache: q as it is."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float32:
