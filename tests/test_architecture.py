@@ -117,3 +117,15 @@ def test_one_step_reads_in_under_1400_lines_and_40_per_function():
         assert total <= 1400, f"one step runs {total} lines of the package outside the model"
         long = {name: n for name, n in functions.values() if n > 40}
         assert not long, f"functions on the step's path over 40 lines: {long}"
+
+
+# The files a reader opens to follow one step (the book's architecture page names them).
+STEP_FILES = ("engine/llm_engine.py", "engine/scheduler.py", "engine/block_manager.py", "engine/sequence.py",
+              "engine/model_runner.py", "engine/output_processor.py", "context.py", "layers/sampler.py")
+
+
+def test_the_files_of_one_step_hold_at_most_1400_lines():
+    lines = {name: len((PACKAGE / name).read_text().splitlines()) for name in STEP_FILES}
+    assert sum(lines.values()) <= 1400, f"the one-step files hold {sum(lines.values())} lines: {lines}"
+    page = (ROOT / "book" / "architecture.md").read_text()
+    assert f"hold {sum(lines.values()):,} lines" in page, "the architecture page gives another count"

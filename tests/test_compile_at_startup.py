@@ -103,13 +103,14 @@ def test_compile_only_turns_this_threads_launches_into_compiles(monkeypatch):
 
 @pytest.mark.gpu
 def test_compile_ahead_leaves_the_startup_passes_nothing_to_compile(tmp_path, monkeypatch):
-    """On the GPU, start-up compiles the graph passes' and eager steps' kernels ahead, on many
-    threads (kernels.compile_ahead): the graph captures and compiling steps after it compile
-    nothing themselves, and the engine gives transformers-free greedy tokens identical to an
+    """On the GPU, start-up compiles the KV-sizing pass's, the graph passes' and the eager
+    steps' kernels ahead, on many threads (kernels.compile_ahead): the sizing pass, the graph
+    captures and the compiling steps after it compile nothing themselves, and the engine gives transformers-free greedy tokens identical to an
     engine started without it. A model shape no other test uses, so that its kernels are
     new to this process."""
     from minivllm.bench.compiles import triton_compiles
-    from minivllm.engine.runner_startup import RunnerStartup
+    from minivllm.engine import runner_startup
+    from minivllm.engine.runner_startup import RunnerStartup, warmup
     from minivllm.kernels import sampling
     from minivllm.testing import make_tiny_checkpoint
 
@@ -126,11 +127,20 @@ def test_compile_ahead_leaves_the_startup_passes_nothing_to_compile(tmp_path, mo
             compiled_in.setdefault(f"{name} (ahead)" if dry else name, []).extend(compiled)
         return call
 
+    warmups = []  # the KV-sizing pass's compiles: ahead, then the real pass
+
+    def recording_warmup(*args):
+        with triton_compiles() as compiled:
+            warmup(*args)
+        warmups.append(compiled)
+
     monkeypatch.setattr(RunnerStartup, "capture_cudagraphs", recording("graphs", capture))
     monkeypatch.setattr(RunnerStartup, "compile_kernels", recording("steps", compile_kernels))
+    monkeypatch.setattr(runner_startup, "warmup", recording_warmup)
     llm = LLM(str(path), max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512)
     assert "compile_ahead" in llm.engine.runner.startup_seconds
     assert compiled_in["graphs (ahead)"] and compiled_in["graphs"] == [], compiled_in
+    assert len(warmups) == 2 and warmups[0] and warmups[1] == [], warmups
     # The compiling steps' own compiles are the sampler's kernels only (not run ahead).
     sampler_kernels = {name for name in dir(sampling) if name.endswith("_kernel")}
     assert {c.split("[")[0] for c in compiled_in["steps"]} <= sampler_kernels, compiled_in["steps"]

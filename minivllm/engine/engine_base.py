@@ -1,5 +1,5 @@
 """``LLMEngine``'s life around its steps, as methods of the class it derives from: building
-its runner and block manager from a config (``from_engine_args`` is the one factory that
+its runner, block manager and features from a config (``from_engine_args`` is the one factory that
 ``LLM``, the server and its engine-core process all use), the checks a front end runs before
 it queues a request, shutting down, and what the steps have done. ``engine.llm_engine`` holds
 the requests and the step."""
@@ -10,8 +10,13 @@ import torch
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.engine_args import create_engine_config
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.parallel_sampling import ParallelSampling
+from minivllm.engine.prompt_logprobs import PromptLogprobs
 from minivllm.engine.state_pool import HybridCacheManager
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.feature import Speculation
+from minivllm.step_hooks import StepFeature, weakly
+from minivllm.structured.feature import StructuredOutputs
 from minivllm.tokenizer import load_tokenizer
 
 
@@ -34,6 +39,29 @@ class EngineBase:
             # (see minivllm.engine.state_pool for why).
             return HybridCacheManager(self.runner.num_kv_blocks, self.config.block_size, self.runner.num_state_slots)
         return BlockManager(self.runner.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+
+    def _make_features(self, proposer) -> None:
+        """The features beside the step, in the order the step calls them; each joins
+        ``self.features`` when the first request asks for it (speculation: at start-up)."""
+        self.parallel_sampling = ParallelSampling(self.scheduler, self.block_manager)
+        # The features get the engine's methods held weakly: a bound method holds its
+        # engine, and the cycle would keep an engine that was let go until a full collection.
+        state = weakly(self._state)
+        self.prompt_logprobs = PromptLogprobs(self.requests, state, self.tokenizer)
+        self.structured = StructuredOutputs(
+            self.tokenizer, self.runner.model_config.vocab_size, self.eos_token_ids,
+            self.runner.device.type == "cuda", self.scheduler, self.requests, self.output_processor.make_output,
+            weakly(self._is_idle))
+        self.speculation = None
+        if proposer is not None:
+            proposer.allocate(self.runner.num_kv_blocks, self.runner)
+            self.speculation = Speculation(proposer, self.speculative.num_speculative_tokens, self.max_model_len,
+                                           self.scheduler, self.block_manager, self.runner, state,
+                                           self.tracer.stats)
+        self.features: list[StepFeature] = []
+        if self.speculation is not None:
+            self._use(self.speculation)
+
 
     @classmethod
     def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> Self:

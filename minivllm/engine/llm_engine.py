@@ -45,7 +45,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.feature import Speculation
 from minivllm.spec_decode.proposer import make_proposer
-from minivllm.step_hooks import StepFeature, is_live, weakly
+from minivllm.step_hooks import StepFeature, is_live
 from minivllm.structured.feature import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -84,28 +84,6 @@ class LLMEngine(EngineBase):
         self._make_features(proposer)
         # Asynchronous scheduling (chapter 17): the overlapped step, chosen once, here.
         self.overlap = OverlappedStep(self) if config.async_scheduling else None
-
-    def _make_features(self, proposer) -> None:
-        """The features beside the step, in the order the step calls them; each joins
-        ``self.features`` when the first request asks for it (speculation: at start-up)."""
-        self.parallel_sampling = ParallelSampling(self.scheduler, self.block_manager)
-        # The features get the engine's methods held weakly: a bound method holds its
-        # engine, and the cycle would keep an engine that was let go until a full collection.
-        state = weakly(self._state)
-        self.prompt_logprobs = PromptLogprobs(self.requests, state, self.tokenizer)
-        self.structured = StructuredOutputs(
-            self.tokenizer, self.runner.model_config.vocab_size, self.eos_token_ids,
-            self.runner.device.type == "cuda", self.scheduler, self.requests, self.output_processor.make_output,
-            weakly(self._is_idle))
-        self.speculation = None
-        if proposer is not None:
-            proposer.allocate(self.runner.num_kv_blocks, self.runner)
-            self.speculation = Speculation(proposer, self.speculative.num_speculative_tokens, self.max_model_len,
-                                           self.scheduler, self.block_manager, self.runner, state,
-                                           self.tracer.stats)
-        self.features: list[StepFeature] = []
-        if self.speculation is not None:
-            self._use(self.speculation)
 
     def _use(self, feature: StepFeature) -> None:
         if feature not in self.features:

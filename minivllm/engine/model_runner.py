@@ -7,12 +7,9 @@
     sample   the next tokens (layers.sampler)
 
 Its start-up (sizing and allocating the KV pool, capturing the graphs, compiling the eager
-steps' kernels, warming the matmuls) is ``engine.runner_startup.RunnerStartup``, the class it
-derives from; prompt-logprob scoring is ``engine.prompt_logprobs``.
+steps' kernels, warming the matmuls) and its shutdown are ``engine.runner_startup.RunnerStartup``,
+the class it derives from; prompt-logprob scoring is ``engine.prompt_logprobs``.
 """
-import gc
-import logging
-
 import numpy as np
 import torch
 
@@ -31,7 +28,6 @@ from minivllm.layers.sampled_tokens import SampledTokens
 from minivllm.layers.sampler import Sampler
 from minivllm.loader import load_model
 
-logger = logging.getLogger(__name__)
 
 class ModelRunner(RunnerStartup):
     def __init__(self, config: EngineConfig, draft_block_bytes: int = 0):
@@ -208,15 +204,3 @@ class ModelRunner(RunnerStartup):
         (minivllm.engine.state_pool)."""
         index = self._to_device(np.array([slots, accepted], dtype=np.int64))
         keep_accepted_states(self.state_layers, index[0], index[1])
-
-    def shutdown(self) -> None:
-        """Give the device memory back: the CUDA graphs (their pool holds the captured
-        activations), the KV pool, the state pools and the weights. The runner is unusable
-        after. (Parameters keep bound weight loaders, a reference cycle, so only the cycle
-        collector frees the model.)"""
-        self.cudagraphs.clear()
-        self.kv_cache = self.model = self.layers = self.state_layers = None
-        self.last_step = self.last_hidden = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()

@@ -9,9 +9,11 @@ block_size, num_kv_heads, head_dim], in the cache's dtype (EngineConfig.kv_cache
 attention layer gets a view of its slice.
 
 ``RunnerStartup`` holds these steps as the model runner's methods (``ModelRunner`` derives
-from it), so that ``engine.model_runner`` holds only what runs at every step.
+from it), and ``shutdown``, which gives back what they took, so that ``engine.model_runner``
+holds only what runs at every step.
 """
 import contextlib
+import gc
 import logging
 import sys
 import time
@@ -214,8 +216,8 @@ def warm_matmuls(model, config: EngineConfig, device: torch.device) -> None:
 class RunnerStartup:
     """The model runner's start-up, as methods of ``ModelRunner`` (which derives from this
     class; its ``__init__`` calls them in order): the state pools, the KV pool and the
-    longest sequence it allows, the CUDA graphs, the compiling steps and the warm matmuls.
-    None of it runs again once the engine steps. The methods read and set what
+    longest sequence it allows, the CUDA graphs, the compiling steps and the warm matmuls;
+    and ``shutdown``, which gives it all back. None of it runs while the engine steps. The methods read and set what
     ``ModelRunner.__init__`` declares (``config``, ``model``, ``layers``, ``kv_cache``, ...)."""
 
     def _pinned_staging(self) -> PinnedStaging | None:
@@ -229,14 +231,13 @@ class RunnerStartup:
         warm the matmuls, so that a user's first steps run at speed. The Triton kernels of
         those passes are compiled first, on many threads at once: the same passes, every
         launch a compile (kernels.compile_ahead)."""
-        from minivllm.kernels import compile_ahead
+        def passes():
+            if not self.config.enforce_eager:
+                self.capture_cudagraphs(dry=True)
+            # (Not the sampler's kernels: it reads what they computed.)
+            self.compile_kernels(sample=False, decode_graphs=not self.config.enforce_eager)
 
-        if compile_ahead.available():
-            with self._startup_phase("compile_ahead"), compile_ahead.compile_only():
-                if not self.config.enforce_eager:
-                    self.capture_cudagraphs(dry=True)
-                # (Not the sampler's kernels: it reads what they computed.)
-                self.compile_kernels(sample=False, decode_graphs=not self.config.enforce_eager)
+        self._compile_ahead(passes, phase="compile_ahead")
         if not self.config.enforce_eager:
             self.capture_cudagraphs()
         with self._startup_phase("compile_kernels"):
@@ -270,6 +271,17 @@ class RunnerStartup:
     def _startup_phase(self, name: str):
         return timed_phase(self.startup_seconds, name, self.device)
 
+    def _compile_ahead(self, passes, phase: str | None = None) -> None:
+        """Run ``passes`` once with every Triton launch turned into a compile, on many threads
+        at once (kernels.compile_ahead): the same passes run for real after it find their
+        kernels compiled. Nothing computed in it may be used. Nothing runs where compiling
+        ahead is off (``MINIVLLM_COMPILE_AHEAD=0``) or Triton lacks it."""
+        from minivllm.kernels import compile_ahead
+
+        if compile_ahead.available():
+            with self._startup_phase(phase) if phase else contextlib.nullcontext(), compile_ahead.compile_only():
+                passes()
+
     def _allocate_state_pools(self) -> int:
         """Every linear-attention layer's state pools; the bytes one slot takes in all of them."""
         # Speculative decoding keeps k more states per slot, to roll a rejection back to.
@@ -290,6 +302,9 @@ class RunnerStartup:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
+            # The sizing pass's kernels first, on many threads (its peak memory is measured
+            # on the real pass after).
+            self._compile_ahead(lambda: warmup(self.model, config, self.device))
             num_blocks = blocks_that_fit_on_gpu(self.model, config, self.device, per_block, self.memory_budget)
         else:
             num_blocks = int(config.cpu_kv_cache_space * 2**30) // per_block
@@ -372,3 +387,15 @@ class RunnerStartup:
     def warm_matmuls(self) -> None:
         """Run every matmul at the row counts a run can give it (``runner_startup.warm_matmuls``)."""
         warm_matmuls(self.model, self.config, self.device)
+
+    def shutdown(self) -> None:
+        """Give the device memory back: the CUDA graphs (their pool holds the captured
+        activations), the KV pool, the state pools and the weights. The runner is unusable
+        after. (Parameters keep bound weight loaders, a reference cycle, so only the cycle
+        collector frees the model.)"""
+        self.cudagraphs.clear()
+        self.kv_cache = self.model = self.layers = self.state_layers = None
+        self.last_step = self.last_hidden = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -8,18 +8,16 @@ and no host sync, and with a per-request generator gives the same draw whatever 
 the batch. On the GPU, a batch that asks for nothing but temperatures and greedy rows takes
 the trick's other form in one kernel: argmax(logits / T + Gumbel noise) (``ops.sampling``).
 """
-import logging
-
 import torch
 
 from minivllm.layers.logits_processors import TokenHistory, needs_processing, process_logits
 from minivllm.layers.sampled_tokens import SampledTokens, SamplerOutput, rows_to_device
+from minivllm.layers.sampling_rescue import sample_rows_alone
 from minivllm.ops.dispatch import use_triton
 from minivllm.ops.sampling import gumbel_argmax
 from minivllm.ops.token_bitmask import apply_token_bitmask
 from minivllm.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
 MIN_FLOAT32 = torch.finfo(torch.float32).tiny
 
 
@@ -88,34 +86,8 @@ class Sampler:
         except Exception as e:
             if len(params) == 1:
                 raise
-            return self._sample_rows_alone(e, logits, params, generators, banned, history, bitmask)
-
-    def _sample_rows_alone(self, batch_error, logits, params, generators, banned, history, bitmask) -> SampledTokens:
-        """One row's values may have broken the batch (they passed validation, so this is a
-        bug, but a bug one request must not turn into a failure for everyone): sample each
-        row alone, and report the rows that fail by themselves. If every row fails, no
-        request is to blame: the batch's error is raised."""
-        out, failed = SamplerOutput([], []), {}
-        for row in range(len(params)):
-            try:
-                one = self.sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1],
-                                  banned[row : row + 1] if banned else None,
-                                  history.row(row) if history else None,
-                                  bitmask[row : row + 1] if bitmask is not None else None).to_host()
-                out.token_ids += one.token_ids
-                out.logprobs += one.logprobs
-            except NotImplementedError:
-                raise
-            except Exception as e:
-                out.token_ids.append(-1)
-                out.logprobs.append(None)
-                failed[row] = e
-        if len(failed) == len(params):
-            raise batch_error
-        for row, e in failed.items():
-            logger.error("sampling failed for batch row %d alone (%s)", row, params[row], exc_info=e)
-            out.errors[row] = f"sampling failed: {type(e).__name__}"
-        return SampledTokens.on_host(out, logits.device)
+            # One row's values may have broken the batch: that row fails alone.
+            return sample_rows_alone(self.sample, e, logits, params, generators, banned, history, bitmask)
 
     @staticmethod
     def _only_temperature(params, banned, history, bitmask) -> bool:
