@@ -90,6 +90,10 @@ def test_outputs_identical_with_and_without(checkpoint, engine_args):
     for llm in (sync, asyn):
         bm = llm.engine.block_manager
         assert not llm.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+        # The step trace names every sequence once among the finished (the overlapped loop's
+        # last call takes a step in and launches none: its finishes join the last record).
+        finished = [s for r in llm.engine.trace for s in r.finished]
+        assert len(finished) == len(set(finished)) >= len(prompts), f"finished in the trace: {sorted(finished)}"
 
 
 def test_stop_strings_identical(checkpoint):

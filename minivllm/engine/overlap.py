@@ -49,7 +49,12 @@ class OverlappedStep:
     def process(self, step) -> list:
         """Take in a launched step's tokens (waiting for them): its outputs; none for no step."""
         with profiler_range("minivllm.process"):
-            return self.engine.update(step) if step is not None else []
+            outputs = self.engine.update(step) if step is not None else []
+        if step is not None and self.in_flight is None:
+            # Nothing was launched after it, so no step record follows to carry the
+            # sequences it finished: the last record takes them.
+            self.engine.tracer.note_finished(step.finished)
+        return outputs
 
     def previous_tokens(self):
         """The step in flight's sampled tokens, on the device, and each sequence's row in them."""

@@ -96,6 +96,13 @@ class StepTrace:
         self.num_steps += 1
 
 
+    def note_finished(self, finished: list[int]) -> None:
+        """Sequences finished by taking in a step when no step was launched with it (the
+        overlapped step's last call): the last record, if any, takes them."""
+        if self.records and finished:
+            self.records[-1].finished = self.records[-1].finished + finished
+
+
 def attention_work(batch: ScheduledBatch) -> dict[str, int]:
     """What the step's attention must read and compute, for its speed of light (chapter 15):
     ``kv_tokens_read``, the tokens whose keys and values it reads (each sequence's cached
