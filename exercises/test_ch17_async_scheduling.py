@@ -240,6 +240,7 @@ class _Launched:
         self.sampled = None if deferred else _Sampled(name)
         self.deferred = (f"logits of {name}", _Inputs()) if deferred else None
         self.requests = [f"request of {name}"]
+        self.finished = [f"finished in {name}"]
 
     def row_of(self):
         return {7: self.name}
@@ -260,6 +261,10 @@ class _FakeEngine:
         self.deferred = set(deferred)
         self.calls = []
         self.runner = self
+        self.tracer = self  # the step trace: the drained step's finished sequences (note_finished)
+
+    def note_finished(self, finished):
+        self.calls.append(("note_finished", finished))
 
     def before_schedule(self):
         self.calls.append("before_schedule")

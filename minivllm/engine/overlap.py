@@ -22,6 +22,7 @@ class OverlappedStep:
         # cycle would keep an engine that was let go (its KV pool too) until a full collection.
         self.engine = weakref.proxy(engine)
         self.in_flight = None  # the LaunchedStep on the device, whose tokens are not taken in yet
+        self.launched_none = False  # the last launch found nothing to run (the loop drains)
 
     def step(self) -> list:
         """Launch step N+1, then take in step N: the outputs returned are step N's."""
@@ -44,15 +45,17 @@ class OverlappedStep:
         flight; the LaunchedStep, or None when there is nothing to run."""
         with profiler_range("minivllm.launch"):
             batch = self.engine.schedule()
-            return self.engine.execute(batch, self.previous_tokens()) if batch is not None else None
+            launched = self.engine.execute(batch, self.previous_tokens()) if batch is not None else None
+        self.launched_none = launched is None
+        return launched
 
     def process(self, step) -> list:
         """Take in a launched step's tokens (waiting for them): its outputs; none for no step."""
         with profiler_range("minivllm.process"):
             outputs = self.engine.update(step) if step is not None else []
-        if step is not None and self.in_flight is None:
-            # Nothing was launched after it, so no step record follows to carry the
-            # sequences it finished: the last record takes them.
+        if step is not None and self.launched_none:
+            # Nothing was launched with it, so no step record follows to carry the sequences
+            # it finished: the last record takes them.
             self.engine.tracer.note_finished(step.finished)
         return outputs
 
