@@ -1,7 +1,7 @@
 """``LLMEngine``'s life around its steps, as methods of the class it derives from: building
-its runner, block manager and features from a config (``from_engine_args`` is the one factory that
-``LLM``, the server and its engine-core process all use), the checks a front end runs before
-it queues a request, shutting down, and what the steps have done. ``engine.llm_engine`` holds
+its runner, block manager and features from a config (``from_engine_args`` is the one factory
+that ``LLM``, the server and its engine-core process all use), the checks a front end runs
+before it queues a request, shutting down, and what the steps have done. ``engine.llm_engine`` holds
 the requests and the step."""
 from typing import Self
 
@@ -61,7 +61,6 @@ class EngineBase:
         self.features: list[StepFeature] = []
         if self.speculation is not None:
             self._use(self.speculation)
-
 
     @classmethod
     def from_engine_args(cls, model=None, dtype="auto", device=None, **engine_args) -> Self:

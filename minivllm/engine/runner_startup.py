@@ -217,8 +217,9 @@ class RunnerStartup:
     """The model runner's start-up, as methods of ``ModelRunner`` (which derives from this
     class; its ``__init__`` calls them in order): the state pools, the KV pool and the
     longest sequence it allows, the CUDA graphs, the compiling steps and the warm matmuls;
-    and ``shutdown``, which gives it all back. None of it runs while the engine steps. The methods read and set what
-    ``ModelRunner.__init__`` declares (``config``, ``model``, ``layers``, ``kv_cache``, ...)."""
+    and ``shutdown``, which gives it all back. None of it runs while the engine steps. The
+    methods read and set what ``ModelRunner.__init__`` declares (``config``, ``model``,
+    ``layers``, ``kv_cache``, ...)."""
 
     def _pinned_staging(self) -> PinnedStaging | None:
         if not (self.config.async_scheduling and self.device.type == "cuda"):
