@@ -161,6 +161,27 @@ def test_temperature_zero_is_argmax():
     assert banned.token_ids[0] == logits[0].topk(2).indices[1].item()
 
 
+def test_an_all_greedy_batch_takes_one_argmax(monkeypatch):
+    """On the GPU a batch of greedy rows skips the noise kernel and its per-row settings: the
+    tokens are still torch.argmax's, ties to the first index; one row with a temperature
+    sends the batch back through the draw (here, as on a GPU, by use_triton)."""
+    import minivllm.layers.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "use_triton", lambda x: True)
+    draws = []
+    draw = Sampler._draw
+    monkeypatch.setattr(Sampler, "_draw", lambda self, *a: draws.append(len(a[1])) or draw(self, *a))
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 41] = logits[2].max() + 1  # a tie
+    logits[4] = 0.25  # a whole row tied
+    greedy = [SamplingParams(temperature=0)] * 5
+    out = Sampler()(logits.clone(), greedy, [None] * 5)
+    assert out.token_ids == logits.float().argmax(-1).tolist() and out.token_ids[2] == 7 and out.token_ids[4] == 0
+    assert draws == [], "an all-greedy batch must not run the noise kernel"
+    mixed = Sampler()(logits.clone(), greedy[:4] + [SamplingParams(temperature=0.8, seed=3)], [None] * 5)
+    assert draws == [5] and mixed.token_ids[:4] == out.token_ids[:4]
+
+
 # -- through the engine -----------------------------------------------------------------
 
 

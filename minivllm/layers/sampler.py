@@ -6,8 +6,8 @@ to -inf; the draw itself uses the Gumbel-max trick in its exponential form:
 argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, needs no cumulative sum
 and no host sync, and with a per-request generator gives the same draw whatever else is in
 the batch. On the GPU, a batch that asks for nothing but temperatures and greedy rows takes
-the trick's other form in one kernel: argmax(logits / T + Gumbel noise) (``ops.sampling``).
-"""
+the trick's other form in one kernel: argmax(logits / T + Gumbel noise) (``ops.sampling``);
+an all-greedy batch takes one argmax."""
 import torch
 
 from minivllm.layers.logits_processors import TokenHistory, needs_processing, process_logits
@@ -97,14 +97,13 @@ class Sampler:
                 and all(p.logprobs is None and not p.top_k and p.top_p >= 1 and p.min_p <= 0 for p in params))
 
     def _draw(self, logits, params, generators) -> SampledTokens:
-        """The GPU's path for plain temperature sampling and greedy rows: one pass over the
-        logits (ops.sampling.gumbel_argmax) instead of a float32 copy, a softmax, a tensor
-        of noise and two argmaxes. A seeded row's noise seed comes from its own generator,
-        so its tokens do not depend on its neighbours in the batch."""
+        """The GPU's path for temperatures (and greedy rows beside them): one pass over the
+        logits (ops.sampling.gumbel_argmax), not a float32 copy, a softmax, a tensor of noise
+        and two argmaxes. A seeded row's noise comes from its own generator: its tokens do
+        not depend on its neighbours in the batch."""
         device = logits.device
-        greedy, temperature = rows_to_device([[float(p.greedy) for p in params],
-                                              [1.0 if p.greedy else p.temperature for p in params]],
-                                             torch.float32, device)
+        rows = [[float(p.greedy) for p in params], [1.0 if p.greedy else p.temperature for p in params]]
+        greedy, temperature = rows_to_device(rows, torch.float32, device)
         seeds = torch.randint(0, 2**62, (len(params),), device=device)
         for row, gen in enumerate(generators):
             if gen is not None:
@@ -113,6 +112,8 @@ class Sampler:
 
     def sample(self, logits, params, generators, banned, history=None, bitmask=None) -> SampledTokens:
         if use_triton(logits) and self._only_temperature(params, banned, history, bitmask):
+            if all(p.greedy for p in params):  # one launch: no noise, no per-row settings to copy
+                return SampledTokens(logits.argmax(dim=-1), None, [None] * len(params))
             return self._draw(logits, params, generators)
         logits = logits.float()
         ks = [p.logprobs for p in params]
@@ -136,8 +137,7 @@ class Sampler:
         words, and the ids it may not draw yet (e.g. EOS before min_tokens)."""
         device = logits.device
         if bitmask is not None:  # first, as in vLLM: the grammar decides what may be drawn at all
-            # (In place, like the bans below; masking a row twice, as the rescue path may, is
-            # the same as once.)
+            # (In place, like the bans below: masking a row twice, as the rescue path may, is once.)
             apply_token_bitmask(logits, bitmask.pin_memory().to(device, non_blocking=True)
                                 if device.type == "cuda" else bitmask)
         logits = process_logits(logits, params, history)  # returns logits itself when no row asks
