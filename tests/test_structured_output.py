@@ -17,6 +17,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.ops.token_bitmask import apply_token_bitmask_reference, unpack_bitmask
 from minivllm.sampling_params import InvalidParameter
 from minivllm.structured import StructuredOutputsParams
+from minivllm.structured.compiler import has_surrogate
 from minivllm.structured.feature import StructuredOutputs
 from minivllm.structured.matcher import GrammarState, fill_bitmask
 from minivllm.structured.trie import ChoiceConstraint, vocab_bytes
@@ -395,6 +396,32 @@ def test_json_outputs_parse_strictly_with_length_bounded_strings(tiny_qwen3_with
     assert all(ord(ch) >= 0x20 for out in outs for ch in out.text)
 
 
+def test_a_bounded_string_takes_no_surrogate_bytes(tiny_qwen3_with_tokenizer):
+    """The grammar's strings take ED A0-BF xx, a UTF-16 surrogate's UTF-8 bytes, as one
+    character; the text's decoding makes three replacement characters of them, and a string
+    at its maxLength is then over it. These seeds drew such bytes (this model's byte tokens)
+    before the engine's surrogate guard."""
+    llm = LLM(str(tiny_qwen3_with_tokenizer), async_scheduling=False, num_kv_blocks=256)
+    seeds = [140, 151, 181, 254, 353]
+    params = [SamplingParams(temperature=1.5, seed=s, max_tokens=80, structured_outputs=StructuredOutputsParams(
+        json=BOUNDED)) for s in seeds]
+    outs = [o.outputs[0] for o in llm.generate(["a b c"] * len(seeds), params, use_tqdm=False)]
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= 3
+    for out in finished:
+        jsonschema.validate(json.loads(out.text), BOUNDED)
+    assert not any("\ufffd" in out.text for out in outs), [out.text for out in outs]
+    compiler = llm.engine.grammar_compiler()
+    spelling = compiler.tokenizer_info.decoded_vocab
+    guard = compiler.surrogate_guard(StructuredOutputsParams(json=BOUNDED))
+    vocab = llm.engine.runner.model_config.vocab_size
+    allowed_after = unpack_bitmask(guard.after_lead.unsqueeze(0), vocab)[0]
+    assert guard.ends_in_lead and all(spelling[t].endswith(b"\xed") for t in guard.ends_in_lead)
+    assert not any(allowed_after[t] for t in range(vocab) if spelling[t][:1] and 0xA0 <= spelling[t][0] <= 0xBF)
+    assert any(allowed_after[t] for t in range(vocab) if spelling[t][:1] and 0x80 <= spelling[t][0] <= 0x9F)
+    assert compiler.surrogate_guard(StructuredOutputsParams(regex="[a-z]+")) is None
+
+
 def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_characters(llm):
     compiler = llm.engine.grammar_compiler()
     vocab = llm.engine.runner.model_config.vocab_size
@@ -402,8 +429,9 @@ def test_the_json_token_filter_bans_exactly_the_tokens_that_spell_control_charac
     for compact, whitespace in ((True, set()), (False, {9, 10, 13})):
         allowed = unpack_bitmask(compiler.token_filter(StructuredOutputsParams(
             json=BOUNDED, disable_any_whitespace=compact)).unsqueeze(0), vocab)[0]
-        expected = torch.tensor([not any(b < 0x20 and b not in whitespace for b in spellings[t]) if t < len(spellings)
-                                 else True for t in range(vocab)])
+        banned = [any(b < 0x20 and b not in whitespace for b in spelling) or has_surrogate(spelling)
+                  for spelling in spellings]
+        expected = torch.tensor([not banned[t] if t < len(spellings) else True for t in range(vocab)])
         assert torch.equal(allowed, expected) and not expected.all()
     assert compiler.token_filter(StructuredOutputsParams(regex="[\x01-\x7f]+")) is None  # a regex says what it wants
 

@@ -38,6 +38,7 @@ import torch
 
 from minivllm.errors import InvalidParameter
 from minivllm.structured.compile_worker import CompileTimeout, WorkerDied, WorkerPool
+from minivllm.structured.matcher import SurrogateGuard
 from minivllm.structured.params import StructuredOutputsParams
 
 # Keywords xgrammar 0.2 accepts and does not enforce (checked by compiling schemas that use
@@ -88,6 +89,7 @@ class GrammarCompiler:
         self.hits = self.misses = 0
         self.compile_seconds: list[float] = []  # one entry per compile (a cache miss): see _compile
         self.json_filters: dict[bool, torch.Tensor] = {}  # see token_filter
+        self.surrogate_guards: dict[int, SurrogateGuard] = {}  # by id(token_filter): see surrogate_guard
         self.compile_timeout_s = compile_timeout_s
         # Started at the first trial; killed with this compiler, or at exit.
         self.workers = WorkerPool(self.tokenizer_info.serialize_json(), COMPILE_THREADS)
@@ -103,7 +105,8 @@ class GrammarCompiler:
 
     def token_filter(self, params: StructuredOutputsParams) -> "torch.Tensor | None":
         """For a JSON schema that needs it, the tokens that spell no control character (bytes
-        0x00-0x1f), as a bitmask row to AND with the grammar's; None for the other kinds and
+        0x00-0x1f) and no surrogate (``has_surrogate``; across two tokens: ``surrogate_guard``),
+        as a bitmask row to AND with the grammar's; None for the other kinds and
         schemas. JSON allows none of them raw (inside a string they are escaped; between
         tokens only whitespace), but xgrammar 0.2's grammar for a string with minLength or
         maxLength admits them (mlc-ai/xgrammar#800), and a strict parser then refuses the
@@ -120,9 +123,28 @@ class GrammarCompiler:
             if compact not in self.json_filters:
                 whitespace = () if compact else (0x09, 0x0A, 0x0D)
                 banned = [i for i, spelling in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size])
-                          if any(b < 0x20 and b not in whitespace for b in spelling)]
+                          if any(b < 0x20 and b not in whitespace for b in spelling) or has_surrogate(spelling)]
                 self.json_filters[compact] = pack_bitmask(banned, self.vocab_size)
             return self.json_filters[compact]
+
+    def surrogate_guard(self, params: StructuredOutputsParams) -> "SurrogateGuard | None":
+        """Where ``token_filter`` applies, what keeps a surrogate out across two tokens: the
+        grammar's strings take the bytes ED A0-BF xx (a UTF-16 surrogate, which UTF-8 forbids)
+        as one character where the text's decoding makes three replacement characters of
+        them, so a bounded string's length breaks its bound. After a token that ends in ED
+        no token may begin with A0-BF."""
+        token_filter = self.token_filter(params)
+        if token_filter is None:
+            return None
+        with self.lock:
+            guard = self.surrogate_guards.get(id(token_filter))
+            if guard is None:
+                vocab = self.tokenizer_info.decoded_vocab[: self.vocab_size]
+                tails = [i for i, spelling in enumerate(vocab) if spelling[:1] and 0xA0 <= spelling[0] <= 0xBF]
+                no_tail = pack_bitmask(tails, self.vocab_size)
+                ends_in_lead = frozenset(i for i, spelling in enumerate(vocab) if spelling.endswith(b"\xed"))
+                guard = self.surrogate_guards[id(token_filter)] = SurrogateGuard(ends_in_lead, token_filter & no_tail)
+            return guard
 
     def lookup(self, params: StructuredOutputsParams):
         """The CompiledGrammar of ``params`` if it is in the cache, else None (never compiles)."""
@@ -260,6 +282,12 @@ def xgrammar_call(params: StructuredOutputsParams) -> tuple[str, tuple, dict]:
 def invalid(kind: str, xgrammar_error: str) -> InvalidParameter:
     return InvalidParameter(f"SamplingParams.structured_outputs.{kind}: invalid {DESCRIPTION[kind]}: "
                             f"{xgrammar_message(xgrammar_error)}", "structured_outputs")
+
+
+def has_surrogate(spelling: bytes) -> bool:
+    """Does a token's spelling hold a UTF-16 surrogate's UTF-8 bytes (ED A0-BF), which no
+    UTF-8 text may?"""
+    return any(b == 0xED and 0xA0 <= nxt <= 0xBF for b, nxt in zip(spelling, spelling[1:]))
 
 
 def pack_bitmask(banned: list[int], vocab_size: int) -> torch.Tensor:

@@ -75,10 +75,10 @@ class StructuredOutputs(StepFeature):
         from minivllm.structured.matcher import GrammarState
 
         spec = group[0].seq.sampling_params.structured_outputs
-        token_filter = self.compiler().token_filter(spec)
+        token_filter, guard = self.compiler().token_filter(spec), self.compiler().surrogate_guard(spec)
         for request in group:
-            self.grammars[request.seq.seq_id] = GrammarState(compiled, token_filter,
-                                                             waits_for=spec.reasoning_end_token_id)
+            self.grammars[request.seq.seq_id] = GrammarState(
+                compiled, token_filter, waits_for=spec.reasoning_end_token_id, surrogate_guard=guard)
 
     def before_schedule(self) -> list:
         """Queue the requests whose grammar has compiled; fail those whose grammar could not

@@ -15,14 +15,24 @@ matcher that has from a list of tokens (what a server that lost its matchers wou
 """
 import os
 import threading
+from typing import NamedTuple
 
 import torch
+
+
+class SurrogateGuard(NamedTuple):
+    """GrammarCompiler.surrogate_guard: the tokens whose spelling ends in the byte ED, and
+    the token filter to AND after one of them (without the tokens that begin with A0-BF)."""
+
+    ends_in_lead: frozenset
+    after_lead: torch.Tensor
 
 
 class GrammarState:
     """Where one sequence stands in its grammar."""
 
-    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None, waits_for: int | None = None):
+    def __init__(self, compiled_grammar, token_filter: torch.Tensor | None = None, waits_for: int | None = None,
+                 surrogate_guard: SurrogateGuard | None = None):
         import xgrammar as xgr
 
         self.compiled = compiled_grammar
@@ -31,6 +41,8 @@ class GrammarState:
         # Tokens never to allow whatever the grammar says (GrammarCompiler.token_filter):
         # a bitmask row ANDed with the grammar's.
         self.token_filter = token_filter
+        self.surrogate_guard = surrogate_guard
+        self.after_lead = False  # the last token accepted ended in ED (see SurrogateGuard)
         # A matcher ends only by taking a stop token, so it is asked only then (the batch's
         # mask reads this for every row at every step: a call into xgrammar each).
         self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
@@ -60,8 +72,15 @@ class GrammarState:
         if token == self.waits_for:
             self.waits_for = None
 
+    @property
+    def current_filter(self) -> torch.Tensor | None:
+        """The token filter to AND with the grammar's row now."""
+        return self.surrogate_guard.after_lead if self.after_lead else self.token_filter
+
     def _accepted(self, token: int, ok: bool) -> None:
         self.num_accepted += ok
+        if ok and self.surrogate_guard is not None:
+            self.after_lead = token in self.surrogate_guard.ends_in_lead
         if ok and token in self.stop_token_ids:
             self.is_terminated = self.matcher.is_terminated()
 
@@ -69,8 +88,8 @@ class GrammarState:
         """Write the tokens allowed next into ``bitmask[row]`` (a CPU int32 tensor)."""
         if self.constrains:
             self.matcher.fill_next_token_bitmask(bitmask, row)
-            if self.token_filter is not None:
-                bitmask[row] &= self.token_filter
+            if self.current_filter is not None:
+                bitmask[row] &= self.current_filter
 
     @classmethod
     def rebuild(cls, compiled_grammar, token_ids: list[int], waits_for: int | None = None) -> "GrammarState":
@@ -154,8 +173,8 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int, out: torch.
             state.matcher.fill_next_token_bitmask(out, row)
     filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the rows of each token filter, ANDed at once
     for row, state in live:
-        if state.token_filter is not None:
-            filtered.setdefault(id(state.token_filter), (state.token_filter, []))[1].append(row)
+        if state.current_filter is not None:
+            filtered.setdefault(id(state.current_filter), (state.current_filter, []))[1].append(row)
     for token_filter, rows in filtered.values():
         # In place over each run of consecutive rows (usually one: every row of the batch):
         # indexing with the row list would gather the rows, AND them and scatter them back,
