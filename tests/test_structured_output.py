@@ -8,6 +8,7 @@ identical with it on and off). Bad specs are refused with the problem named.
 import itertools
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -469,6 +470,29 @@ def test_the_batch_bitmask_is_each_rows_own(llm):
     token_filter = unpack_bitmask(states[0].token_filter.unsqueeze(0), vocab)[0]
     assert (grammar & ~token_filter).any()
     assert torch.equal(unpack_bitmask(batch[:1], vocab)[0], grammar & token_filter)
+
+
+def test_a_state_in_several_rows_is_filled_once(llm, monkeypatch):
+    """One matcher in several rows of the batch matcher (two threads filling it at once share
+    its scratch buffers and crashed the process): its row is filled once and copied. Run on
+    as many threads as the machine gives (on one core there is no race to lose)."""
+    from minivllm.structured import matcher
+
+    monkeypatch.setattr(matcher, "fill_threads", lambda: 8)
+    monkeypatch.setattr(matcher, "_per_thread", threading.local())  # a batch matcher with those threads
+    compiler, tokenizer = llm.engine.grammar_compiler(), llm.get_tokenizer()
+    vocab = llm.engine.runner.model_config.vocab_size
+    state = GrammarState(compiler.compile(StructuredOutputsParams(json=BOUNDED)))
+    for t in tokenizer.encode('{"word": "ab', add_special_tokens=False):
+        assert state.accept(t)
+    alone = fill_bitmask([state], vocab)[0]
+    rows = [state] * 8 + [None] + [state] * 8
+    for _ in range(100):
+        batch = fill_bitmask(rows, vocab)
+        assert all(torch.equal(batch[row], alone) for row, s in enumerate(rows) if s is not None)
+        assert (batch[8] == -1).all()
+    with pytest.raises(ValueError, match="appears twice"):
+        matcher.accept_tokens([state] * 8, [tokenizer.encode("c", add_special_tokens=False)[0]] * 8)
 
 
 def test_a_batch_accepts_on_threads_what_one_by_one_accepts(llm):

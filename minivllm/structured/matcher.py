@@ -135,6 +135,8 @@ def accept_tokens(states: list[GrammarState], tokens: list[int]) -> list[bool]:
     """``states[i].accept(tokens[i])`` for a batch: from BATCH_FILL_ROWS rows on the batch
     matcher's threads (at batch 256 one by one was about 26 us a row on the host's critical
     path). A state that refuses its token is left as it was, as ``accept`` leaves it."""
+    if len({id(state) for state in states}) != len(states):
+        raise ValueError("accept_tokens: each state takes one token a call (a state appears twice in states)")
     if len(states) < BATCH_FILL_ROWS:
         return [state.accept(token) for state, token in zip(states, tokens)]
     started = [i for i, state in enumerate(states) if state.waits_for is None]
@@ -165,12 +167,19 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int, out: torch.
         if dead:
             out[dead] = -1
     live = [(row, state) for row, state in enumerate(states) if state is not None and state.constrains]
-    if len(live) >= BATCH_FILL_ROWS:
+    # A state in several rows is filled once and its row copied: two of the batch matcher's
+    # threads filling one matcher at once share its scratch buffers and crash the process.
+    first_row: dict[int, int] = {}
+    copies = [(row, first_row[id(s)]) for row, s in live if first_row.setdefault(id(s), row) != row]
+    filled = [(row, s) for row, s in live if first_row[id(s)] == row]
+    if len(filled) >= BATCH_FILL_ROWS:
         # (xgrammar writes every word of a row it fills.)
-        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in live], out, [r for r, _ in live])
+        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in filled], out, [r for r, _ in filled])
     else:
-        for row, state in live:
+        for row, state in filled:
             state.matcher.fill_next_token_bitmask(out, row)
+    for row, source in copies:
+        out[row] = out[source]
     filtered: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the rows of each token filter, ANDed at once
     for row, state in live:
         if state.current_filter is not None:
