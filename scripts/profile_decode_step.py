@@ -14,12 +14,17 @@ batch size (1, 8 and 64 sequences):
 A step is bound by the GPU when the host waits for its tokens (``_wait_for`` large), by the
 host when it does not. With ``--ops`` it also times the host's cost of one call of the
 step's small operations on an idle GPU (synchronised, one call timed, the median of 300).
+With ``--kernels`` it lists the decode graph's kernels from the profiler (per replay: each
+kernel's count and GPU time, their sum, and the replay's span: where the span is longer than
+the sum, the GPU sat idle between kernels; under PDL kernels overlap and the sum can exceed
+it), with one layer's kernels in order. ``MINIVLLM_PDL=0`` runs it without PDL, to compare.
 
-    python scripts/profile_decode_step.py --async-scheduling on|off [--ops] [--out FILE]
+    python scripts/profile_decode_step.py --async-scheduling on|off [--ops] [--kernels] [--out FILE]
 """
 import argparse
 import collections
 import json
+import os
 import time
 
 import torch
@@ -58,7 +63,44 @@ def graph_replay_ms(llm, batch: int) -> float:
     return start.elapsed_time(end) / 200
 
 
-def profile_steps(async_scheduling: bool, batch_sizes: list[int]) -> dict:
+def graph_kernels(llm, batch: int, replays: int = 20) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = llm.engine.runner.cudagraphs.graphs[GraphKey(DECODE, batch)]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        return {"error": "the profiler recorded no kernel of the graph's replays"}
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        per_name[e.name][0] += 1
+        per_name[e.name][1] += e.time_range.end - e.time_range.start
+    per_replay = len(events) // replays
+    layers = llm.engine.runner.model_config.num_hidden_layers
+    one_replay = events[:per_replay]
+    per_layer = (per_replay - 2) // layers  # (the embedding before the layers, the final norm after)
+    middle = per_replay // 2 - per_replay // 2 % per_layer if per_layer else 0
+    return {
+        "kernels_per_replay": per_replay,
+        "busy_us_per_replay": sum(e.time_range.end - e.time_range.start for e in events) / replays,
+        "span_us_per_replay": (events[-1].time_range.end - events[0].time_range.start) / replays,
+        "by_kernel": {name: {"per_replay": count / replays, "us_each": total / count}
+                      for name, (count, total) in sorted(per_name.items(), key=lambda kv: -kv[1][1])},
+        "a_middle_layer": [(e.name[:80], round(e.time_range.end - e.time_range.start, 2),
+                            round(e.time_range.start - one_replay[middle].time_range.start, 2))
+                           for e in one_replay[middle: middle + per_layer + 1]],
+    }
+
+
+def profile_steps(async_scheduling: bool, batch_sizes: list[int], kernels: bool = False) -> dict:
     llm = LLM(str(model_checkpoint()), dtype="bfloat16", gpu_memory_utilization=0.5, max_num_seqs=max(batch_sizes),
               max_model_len=8192, async_scheduling=async_scheduling)
     engine, runner = llm.engine, llm.engine.runner
@@ -86,6 +128,8 @@ def profile_steps(async_scheduling: bool, batch_sizes: list[int]) -> dict:
             "host_ms_per_step": {name: 1000 * seconds / 257 for name, seconds in totals.items()},
             "graph_replay_gpu_ms": graph_replay_ms(llm, batch),
         }
+        if kernels:
+            report[f"batch_{batch}"]["graph_kernels"] = graph_kernels(llm, batch)
     llm.shutdown()
     return report
 
@@ -141,10 +185,12 @@ def main() -> None:
     parser.add_argument("--async-scheduling", choices=["on", "off"], default="on")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--ops", action="store_true", help="also time the host's cost of the step's small operations")
+    parser.add_argument("--kernels", action="store_true", help="also list the decode graph's kernels (profiler)")
     parser.add_argument("--out", help="write the report here (JSON) as well as printing it")
     args = parser.parse_args()
     report = {"device": torch.cuda.get_device_name(),
-              **profile_steps(args.async_scheduling == "on", args.batch_sizes)}
+              "pdl": os.environ.get("MINIVLLM_PDL", "1") != "0",
+              **profile_steps(args.async_scheduling == "on", args.batch_sizes, args.kernels)}
     if args.ops:
         report["ops"] = profile_ops()
     print(json.dumps(report, indent=1))
