@@ -555,6 +555,23 @@ def test_gemv(rows, block_n, dot, with_bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, **TOL)
 
 
+@pytest.mark.parametrize("k", [1000, 3072, 4400])
+def test_gemv_one_row_takes_its_whole_row_of_w_in_one_tile(k):
+    """At one row a program's whole row of W up to 4,096 columns is one tile (no K loop after
+    the wait for the kernel before); past 4,096 the loop takes the rest."""
+    from minivllm.kernels.gemv import gated_config, gemv, gemv_config, gemv_silu_and_mul
+
+    config = gemv_config(96, k, rows=1)
+    assert config["BLOCK_K"] >= min(k, 4096) and config["BLOCK_N"] * config["BLOCK_K"] == 8192
+    assert gated_config(48, k, rows=1) == config
+    x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(96, k, device=DEVICE, dtype=DTYPE) / k**0.5
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(gemv(x, w).float(), ref, **TOL)
+    torch.testing.assert_close(gemv_silu_and_mul(x, w).float(),
+                               torch.nn.functional.silu(ref[:, :48]) * ref[:, 48:], **TOL)
+
+
 def test_gemv_rejects_a_path_its_rows_or_blocks_do_not_fit():
     from minivllm.kernels.gemv import gemv
 

@@ -113,9 +113,14 @@ def gemv_config(n: int, k: int, rows: int = 2) -> dict:
     columns, take the sum-of-products path (``DOT``: False), whose blocks may be narrower
     than the tensor cores' 16 (``_tile_product``)."""
     if rows == 1:
-        # The sweep's best for every decode linear of Qwen3-0.6B and its LM head: 1,024-column
-        # matrices went from 5.4-6.0 us to 2.9-3.8 us (benchmarks/gemv_tuning.json).
-        return {"DOT": False, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2}
+        # A program's whole row of W in one tile (K up to 4,096; masked to K), of 8,192
+        # elements: loaded before the wait for the kernel before (PDL), so that the weights
+        # stream in while it ends and no K loop follows the wait. In the decode graph of
+        # Qwen3-0.6B's shapes on an H100, 0.809 ms a replay against 0.867 for 4 x 1,024 tiles
+        # walked along K (the sweep's best for each matrix alone, benchmarks/gemv_tuning.json),
+        # the greedy tokens identical (benchmarks/README.md, "the decode graph's kernels").
+        block_k = min(4096, triton.next_power_of_2(k))
+        return {"DOT": False, "BLOCK_N": max(1, 8192 // block_k), "BLOCK_K": block_k, "num_warps": 8, "num_stages": 2}
     if rows <= SUM_ROWS and n < 4096:
         # The sweep at 4 rows (benchmarks/gemv_tuning_rows4.json): o_proj 4.06 us and
         # down_proj 5.78 us this way; the wider matrices were fastest on the tensor cores.
@@ -130,7 +135,8 @@ def gated_config(n: int, k: int, rows: int = 2) -> dict:
     column block of the [2n, k] matrix, since each program loads its columns twice."""
     config = gemv_config(2 * n, k, rows)
     if not config["DOT"]:
-        return {**config, "BLOCK_N": 8 if rows == 1 else 4}
+        # One row: the plain gemv's tile (8 x 1,024 at K = 1,024, as tuned), twice.
+        return config if rows == 1 else {**config, "BLOCK_N": 4}
     return {**config, "BLOCK_N": max(16, config["BLOCK_N"] // 2)}
 
 
