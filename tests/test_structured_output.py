@@ -28,6 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # token for token across batch compositions; on a GPU (bfloat16, kernels tiled by batch size)
 # the last bits may, and a greedy tie can go either way: there, outputs are checked for validity.
 BATCH_INVARIANT = not torch.cuda.is_available()
+# On a GPU an engine sized by memory takes 90% of the card, and the tests that build a second
+# engine beside the module's found none left: there each takes a fixed pool (64k tokens).
+POOL = {"num_kv_blocks": 4096} if torch.cuda.is_available() else {}
 
 # Every value bounded, so that a complete object fits in max_tokens whatever the model does.
 PERSON = {
@@ -49,7 +52,7 @@ SEEDS = range(12)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(async_scheduling=False)
+    return LLM(async_scheduling=False, **POOL)
 
 
 def run(llm, structured, n_seeds=len(SEEDS), max_tokens=160, **kwargs):
@@ -147,7 +150,7 @@ def test_constrained_beside_unconstrained_requests(llm):
 def test_the_feature_forgets_a_grammar_when_its_completion_ends():
     """Structured output keeps each completion's grammar state itself, from its compile to its
     end: finished, aborted mid-run or stopped by its length, none is left behind."""
-    llm = LLM(async_scheduling=True)
+    llm = LLM(async_scheduling=True, **POOL)
     engine = llm.engine
     spec = StructuredOutputsParams(json=PERSON)
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=160, structured_outputs=spec, n=2),
@@ -196,8 +199,8 @@ def test_async_scheduling_gives_the_same_greedy_outputs():
     float32: the overlapped loop still schedules a sequence for the step after the one that
     finished it, and on a GPU a batch of another size rounds a bfloat16 near-tie its own way."""
     prompts, params = greedy_structured_workload()
-    sync = LLM(dtype="float32", async_scheduling=False).generate(prompts, params, use_tqdm=False)
-    asynchronous = LLM(dtype="float32", async_scheduling=True)
+    sync = LLM(dtype="float32", async_scheduling=False, **POOL).generate(prompts, params, use_tqdm=False)
+    asynchronous = LLM(dtype="float32", async_scheduling=True, **POOL)
     deferred = []
     original = asynchronous.engine.overlap.sample_deferred
     asynchronous.engine.overlap.sample_deferred = lambda step: (deferred.append(len(step.requests)), original(step))
@@ -229,7 +232,7 @@ def test_preemption_and_chunked_prefill_under_constraints():
     """A KV pool too small for the batch (sequences are preempted and recomputed) and a token
     budget smaller than the prompts (chunked prefill): the same greedy outputs, still valid."""
     prompts, params = greedy_structured_workload()
-    reference = LLM(async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    reference = LLM(async_scheduling=False, **POOL).generate(prompts, params, use_tqdm=False)
     for async_scheduling in (False, True):
         llm = LLM(async_scheduling=async_scheduling, num_kv_blocks=24, block_size=16, max_num_batched_tokens=24,
                   record_trace=True)
@@ -711,9 +714,9 @@ def test_the_engines_masks_give_what_fresh_masks_give(async_scheduling):
         return out
 
     assert "maxLength" in FILTERED_KEYWORDS
-    llm = LLM(async_scheduling=async_scheduling)
+    llm = LLM(async_scheduling=async_scheduling, **POOL)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    reference = LLM(async_scheduling=async_scheduling)
+    reference = LLM(async_scheduling=async_scheduling, **POOL)
     reference.engine.structured.bitmask = fresh_bitmask.__get__(reference.engine)
     expected = reference.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == token_ids(expected)
