@@ -46,7 +46,10 @@ def pdl_options(x: torch.Tensor) -> dict:
 def wait_for_previous(USE_PDL: tl.constexpr):
     """Under PDL: wait until the kernel before has finished and its writes are visible, then
     let the kernel after this one start launching. Call it before the first load of
-    anything an earlier kernel wrote, and before the first store."""
+    anything an earlier kernel wrote, and before the first store. Loads of what was copied
+    in before the step's first kernel (lengths, positions) or never changes (weights) may
+    go before it. Every program calls it, one that ends early too: a kernel whose programs
+    all skipped it could finish before the kernel before it, which the next would not wait for."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -32,10 +32,11 @@ def _rms_norm_kernel(
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # (a weight: no earlier kernel wrote it)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # The add happens in the activations' dtype, as in the reference.
@@ -50,7 +51,6 @@ def _rms_norm_kernel(
         "x's dtype (the weight multiplies afterwards). Pitfall: dividing by BLOCK is right only "
         "when n_cols is a power of two, see notebooks/09_triton_kernels.ipynb"
     )
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, w * y, mask=mask)
 
 
@@ -158,13 +158,15 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
-    # One cos/sin row serves every head of this token, queries and keys alike.
+    # One cos/sin row serves every head of this token, queries and keys alike. The positions
+    # were copied in before the step's first kernel and the cache is a constant: both are
+    # read before waiting for the kernel before (the qkv projection), which wrote q and k.
     cos = tl.load(cos_ptr + pos * stride_cache + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cache + d)[None, :]
+    wait_for_previous(USE_PDL)
     _norm_rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, q_w_ptr, cos, sin,
                      stride_qh, stride_qoh, n_q_heads, eps, HALF, BLOCK_QH, HAS_NORM)
     _norm_rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, k_w_ptr, cos, sin,

@@ -281,7 +281,8 @@ def _decode_kernel(
     DIRECT: tl.constexpr, NEW_KV: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_QK: tl.constexpr = 16,
 ):
-    wait_for_previous(USE_PDL)
+    # The step's metadata (lengths, cu_seqlens) was copied in before its first kernel: this
+    # program's key range is worked out before waiting for the kernel before, which wrote q.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -302,10 +303,15 @@ def _decode_kernel(
         # step's own keys below (NEW_KV always).
         q_start = tl.load(cu_seqlens_ptr + b).to(tl.int32)
         q_len = tl.load(cu_seqlens_ptr + b + 1).to(tl.int32) - q_start
+        # (Waiting before a padding program ends: a kernel whose every program skipped the
+        # wait could finish before the kernel before it, and the kernel after would not wait.)
+        wait_for_previous(USE_PDL)
         if q_len == 0:
             return  # a padding sequence (a CUDA graph's): no queries, no keys
         num_keys = tl.load(context_lens_ptr + b).to(tl.int32) - q_len  # those cached before this step
         first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
+    if DECODE:
+        wait_for_previous(USE_PDL)
     q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
                                                  GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
     q = attention_input(q, k_cache_ptr)  # a float8 cache's tiles are taken in float16
