@@ -1,7 +1,10 @@
 """Sweep kernels.gemv's block shapes over the decode linears of Qwen3-0.6B on a GPU, with
 and without Programmatic Dependent Launch, and the gate/up product ending in SwiGLU against
-the two kernels it replaces. The defaults in ``gemv_config`` and ``gated_config`` come from
-this sweep on an H200.
+the two kernels it replaces. The defaults in ``gemv_config`` and ``gated_config`` for two
+rows and more come from this sweep on an H200; the one-row default (a program's whole row of
+W as one tile) from the decode graph as a whole (``scripts/ab_decode_graph.py``): in a chain
+of gemvs each follows another gemv, not the step's norms, RoPE and attention, whose ends a
+tile loaded before the wait for the kernel before overlaps.
 
 Each timing is a chain of one call per layer (28), each on its own matrix, captured in one
 CUDA graph: as in a decode step, the weights come from HBM (one matrix timed over and over
