@@ -17,7 +17,7 @@ the engine is built:
   as the package sets it;
 - ``s<count>``: the decode attention takes at most ``count`` splits.
 An older engine: export its package beside the tree (``git archive <commit> minivllm | tar
--x -C old/``), copy this script into ``old/`` and run it there.
+-x -C old/``), copy this script and ``profile_decode_step.py`` into ``old/`` and run it there.
 
     python scripts/ab_decode_graph.py VARIANT OUT.json
 """
@@ -29,9 +29,13 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's package, not an installed one
+# The script's folder first (profile_decode_step.py, and an exported older package), then this
+# tree's package, not an installed one.
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from minivllm.kernels import gemv, paged_attention  # noqa: E402
+from profile_decode_step import graph_replay_ms  # noqa: E402  (the script beside this one)
 
 
 def patch_gemv(kind: str, value: int, warps: int, stages: int) -> None:
@@ -70,8 +74,6 @@ def apply(variant: str) -> None:
 def measure() -> dict:
     from minivllm import LLM, SamplingParams
     from minivllm.bench.throughput import model_checkpoint
-    from minivllm.engine.cuda_graphs import DECODE, GraphKey
-
     llm = LLM(str(model_checkpoint()), dtype="bfloat16", gpu_memory_utilization=0.5, max_num_seqs=8,
               max_model_len=8192)
     g = torch.Generator().manual_seed(0)
@@ -80,18 +82,7 @@ def measure() -> dict:
     prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(8)]
     report = {"tokens": [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(48), use_tqdm=False)]}
     for batch in (1, 8):
-        graph = llm.engine.runner.cudagraphs.graphs[GraphKey(DECODE, batch)]
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(200):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) / 200)
-        report[f"graph_ms_b{batch}"] = best
+        report[f"graph_ms_b{batch}"] = min(graph_replay_ms(llm, batch) for _ in range(3))
 
         def run(n: int) -> float:
             t0 = time.perf_counter()

@@ -118,7 +118,7 @@ def gemv_config(n: int, k: int, rows: int = 2) -> dict:
         # stream in while it ends and no K loop follows the wait. In the decode graph of
         # Qwen3-0.6B's shapes on an H100, 0.809 ms a replay against 0.867 for 4 x 1,024 tiles
         # walked along K (the sweep's best for each matrix alone, benchmarks/gemv_tuning.json),
-        # the greedy tokens identical (benchmarks/README.md, "the decode graph's kernels").
+        # the greedy tokens identical (benchmarks/README.md, "what moved the decode graph").
         block_k = min(4096, triton.next_power_of_2(k))
         return {"DOT": False, "BLOCK_N": max(1, 8192 // block_k), "BLOCK_K": block_k, "num_warps": 8, "num_stages": 2}
     if rows <= SUM_ROWS and n < 4096:

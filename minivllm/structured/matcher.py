@@ -169,9 +169,14 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int, out: torch.
     live = [(row, state) for row, state in enumerate(states) if state is not None and state.constrains]
     # A state in several rows is filled once and its row copied: two of the batch matcher's
     # threads filling one matcher at once share its scratch buffers and crash the process.
-    first_row: dict[int, int] = {}
-    copies = [(row, first_row[id(s)]) for row, s in live if first_row.setdefault(id(s), row) != row]
-    filled = [(row, s) for row, s in live if first_row[id(s)] == row]
+    first_row: dict[int, int] = {}  # id(state) -> the row it is filled in
+    filled, copies = [], []  # (row, state) to fill; (row, the row to copy)
+    for row, state in live:
+        if id(state) in first_row:
+            copies.append((row, first_row[id(state)]))
+        else:
+            first_row[id(state)] = row
+            filled.append((row, state))
     if len(filled) >= BATCH_FILL_ROWS:
         # (xgrammar writes every word of a row it fills.)
         _batch_matcher().batch_fill_next_token_bitmask([s.matcher for _, s in filled], out, [r for r, _ in filled])
