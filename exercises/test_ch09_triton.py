@@ -204,12 +204,33 @@ def decode_spec(q, k_cache, v_cache, tables, lens, scale):
     return out.float()
 
 
+@contextlib.contextmanager
+def poisoned_partials():
+    """The split-context kernel's partial outputs start as NaN, as memory nobody wrote may
+    be: a split with no keys stores none (only its lse, -inf), and a merge that reads one
+    shows it (0 * NaN is NaN)."""
+    module = sys.modules[paged_decode_attention.__module__]
+    package_split_buffers = module.split_buffers
+
+    def split_buffers(out, num_splits):
+        part_out, part_lse = package_split_buffers(out, num_splits)
+        if num_splits > 1:
+            part_out.fill_(float("nan"))
+        return part_out, part_lse
+
+    module.split_buffers = split_buffers
+    try:
+        yield
+    finally:
+        module.split_buffers = package_split_buffers
+
+
 def run_decode(lens, heads, kv_heads, head_dim=16, block_size=4, num_splits=1, q_scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables = paged_cache(lens, kv_heads, head_dim, block_size, g)
     q = q_scale * torch.randn(len(lens), heads, head_dim, generator=g)
     scale = head_dim**-0.5
-    with kernel_errors():
+    with kernel_errors(), poisoned_partials():
         out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
                                      max(lens), num_splits)
     return out, decode_spec(q, k_cache, v_cache, tables, lens, scale)

@@ -15,11 +15,14 @@ the engine is built:
   a power of two, at most 4,096) as one tile of ``elements``;
 - ``n:<block_n>:<warps>:<stages>``: a one-row gemv with BLOCK_N columns a program, its BLOCK_K
   as the package sets it;
-- ``s<count>``: the decode attention takes at most ``count`` splits.
+- ``s<count>``: the decode attention takes at most ``count`` splits;
+- ``p<count>``: its split rule aims at ``count`` programs a multiprocessor (the package: 12).
+CONTEXT (default 128) is the prompts' length: the decode graph's attention reads that many
+keys a sequence and more.
 An older engine: export its package beside the tree (``git archive <commit> minivllm | tar
 -x -C old/``), copy this script and ``profile_decode_step.py`` into ``old/`` and run it there.
 
-    python scripts/ab_decode_graph.py VARIANT OUT.json
+    python scripts/ab_decode_graph.py VARIANT OUT.json [CONTEXT]
 """
 import json
 import sys
@@ -67,11 +70,13 @@ def apply(variant: str) -> None:
             patch_gemv(kind, int(value), int(warps), int(stages))
         elif part.startswith("s") and part[1:].isdigit():
             patch_splits(int(part[1:]))
+        elif part.startswith("p") and part[1:].isdigit():
+            paged_attention.SPLIT_PROGRAMS_PER_SM = int(part[1:])
         elif part != "base":
-            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, sN)")
+            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, sN, pN)")
 
 
-def measure() -> dict:
+def measure(context: int) -> dict:
     from minivllm import LLM, SamplingParams
     from minivllm.bench.throughput import model_checkpoint
     llm = LLM(str(model_checkpoint()), dtype="bfloat16", gpu_memory_utilization=0.5, max_num_seqs=8,
@@ -79,7 +84,7 @@ def measure() -> dict:
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.runner.model_config.vocab_size
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(8)]
+    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(8)]
     report = {"tokens": [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(48), use_tqdm=False)]}
     for batch in (1, 8):
         report[f"graph_ms_b{batch}"] = min(graph_replay_ms(llm, batch) for _ in range(3))
@@ -96,11 +101,12 @@ def measure() -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         raise SystemExit(__doc__)
-    variant, out = sys.argv[1:]
+    variant, out = sys.argv[1:3]
+    context = int(sys.argv[3]) if len(sys.argv) == 4 else 128
     apply(variant)
-    report = {"variant": variant, "device": torch.cuda.get_device_name(), **measure()}
+    report = {"variant": variant, "context": context, "device": torch.cuda.get_device_name(), **measure(context)}
     print(json.dumps({k: v for k, v in report.items() if k != "tokens"}))
     Path(out).write_text(json.dumps(report, indent=1))
 

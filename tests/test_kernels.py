@@ -157,6 +157,72 @@ def test_paged_decode_splits_merged_by_log_sum_exp():
     torch.testing.assert_close(out.float(), ref, **TOL)
 
 
+def poisoned_split_buffers(monkeypatch):
+    """Make the split-context kernel's partial outputs and log-sum-exps start as NaN, and keep
+    them for the test to look at: a split that should store nothing leaves NaN behind, and a
+    merge that reads one shows it."""
+    from minivllm.kernels import paged_attention
+
+    made, package_split_buffers = [], paged_attention.split_buffers
+
+    def split_buffers(out, num_splits):
+        buffers = package_split_buffers(out, num_splits)
+        if num_splits > 1:
+            buffers[0].fill_(float("nan"))
+            buffers[1].fill_(float("nan"))
+            made.append(buffers)
+        return buffers
+
+    monkeypatch.setattr(paged_attention, "split_buffers", split_buffers)
+    return made
+
+
+def test_empty_splits_store_no_partial_output(monkeypatch):
+    """Contexts far shorter than the grid's eight splits: a split with no keys stores only a
+    log-sum-exp of -inf, never a partial output, and the merge reads no partial output
+    where the log-sum-exp is -inf (those are NaN here, as memory nobody wrote may be). A
+    decode step, and a short prefill whose splits past the first have no cached keys."""
+    from minivllm.kernels.paged_attention import (decode_config, paged_decode_attention,
+                                                  paged_short_prefill_attention)
+
+    made = poisoned_split_buffers(monkeypatch)
+    heads, kv_heads, head_dim, block_size = SHAPES[0]
+    tile = decode_config(head_dim)["BLOCK_N"]
+    lens = [2 * tile + 5, 70, tile + 1, 3]
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size)
+    q = 4 * torch.randn(len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens_t, head_dim**-0.5, 8 * tile, num_splits=8)
+    ref = reference(q, k_cache, v_cache, tables, lens, [1] * len(lens), head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    part_out, part_lse = made.pop()
+    used = [3, 1, 2, 1]  # splits of one tile each hold keys; the rest none
+    for b, n in enumerate(used):
+        assert not part_lse[b, :, :n].isnan().any() and (part_lse[b, :, n:] == float("-inf")).all()
+        assert not part_out[b, :, :n].isnan().any() and part_out[b, :, n:].isnan().all()
+
+    # A short prefill: two queries a sequence after its cached keys (split 0 takes the
+    # step's own keys, the cached ones are cut into splits as a decode step's).
+    q_lens = [2] * len(lens)
+    cached = [n - 2 for n in lens]
+    k, v = (torch.randn(2 * len(lens), kv_heads, head_dim, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    slots = [tables[b, p // block_size].item() * block_size + p % block_size for b, n in enumerate(lens)
+             for p in range(n - 2, n)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    q = torch.randn(2 * len(lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(device=DEVICE, dtype=torch.int32)
+    out = paged_short_prefill_attention(q, k_cache, v_cache, tables, lens_t, cu, 2, head_dim**-0.5, 8 * tile, k, v,
+                                        slot_mapping, num_splits=8)
+    ref = reference(q, k_cache, v_cache, tables, lens, q_lens, head_dim**-0.5)  # the step's keys now stored
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    part_out, part_lse = made.pop()
+    for b, n in enumerate(cached):
+        holds = max(1, -(-n // tile))  # split 0 holds the step's keys even after no cached ones
+        rows = slice(2 * b, 2 * b + 2)
+        assert (part_lse[rows, :, holds:] == float("-inf")).all() and part_out[rows, :, holds:].isnan().all()
+        assert not part_out[rows, :, :holds].isnan().any()
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("window", [None, 5 if not CUDA else 100])
 def test_paged_prefill_attention(heads, kv_heads, head_dim, block_size, window):

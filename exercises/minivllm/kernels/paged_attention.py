@@ -240,6 +240,20 @@ def _attend_step_keys(m, l, acc, q, qi, k_new_ptr, v_new_ptr, slot_ptr, k_cache_
 
 
 @triton.jit
+def _store_empty_split(part_lse_ptr, q_start, q_len, kv_head, split, stride_lt, stride_lh, GROUP: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, DECODE: tl.constexpr):
+    """A split with no keys: the log-sum-exp of each of its rows is -inf (no partial output
+    is stored; the merge reads none where the log-sum-exp is -inf)."""
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    qi = r // BLOCK_G
+    g = r % BLOCK_G
+    token = q_start if DECODE else q_start + qi
+    row_valid = (qi < q_len) & (g < GROUP)
+    tl.store(part_lse_ptr + token * stride_lt + (kv_head * GROUP + g) * stride_lh + split,
+             tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32), mask=row_valid)
+
+
+@triton.jit
 def _store_split(part_out_ptr, part_lse_ptr, m, l, acc, token, heads, split, row_valid, stride_pt, stride_ph,
                  stride_ps, stride_lt, stride_lh, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
     """The epilogue: normalise the rows' running softmax (a row with no keys gives zeros)
@@ -312,6 +326,13 @@ def _decode_kernel(
         first, start, end = _split_key_range(num_keys + 1, num_keys, window, split, BLOCK_N)
     if DECODE:
         wait_for_previous(USE_PDL)
+    if not DIRECT:
+        if (split > 0) & (start >= end):
+            # No keys for this split (a context shorter than the grid was sized for): only
+            # its log-sum-exp is stored, -inf, and the merge skips its partial output.
+            _store_empty_split(part_lse_ptr, q_start, q_len, kv_head, split, stride_lt, stride_lh, GROUP, BLOCK_G,
+                               BLOCK_Q, DECODE)
+            return
     q, token, heads, qi, row_valid = _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh,
                                                  GROUP, BLOCK_G, HEAD_DIM, BLOCK_Q, DECODE)
     q = attention_input(q, k_cache_ptr)  # a float8 cache's tiles are taken in float16
@@ -367,8 +388,9 @@ def _merge_kernel(
         "ch09: the merge: each split of a (sequence, head) left a normalised partial output and "
         "its log-sum-exp. The exact output weights each partial by the exponential of its lse, "
         "relative to the largest lse for range, over the sum of those weights. Splits past "
-        "num_splits and splits with no keys (lse minus infinity) weigh nothing; a row with no keys "
-        "at all gives zeros. Pitfall: weighting by the lse itself instead of its exponential, see "
+        "num_splits and splits with no keys (lse minus infinity) weigh nothing, and a split with "
+        "no keys stored no partial output: load none there. A row with no keys at all gives zeros. "
+        "Pitfall: weighting by the lse itself instead of its exponential, see "
         "notebooks/09_triton_kernels.ipynb"
     )
 
@@ -379,13 +401,16 @@ def sm_count(x: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
 
 
+SPLIT_PROGRAMS_PER_SM = 12
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """How many programs share each sequence's keys: enough for about twelve programs per
-    multiprocessor, but no split shorter than 256 tokens of ``max_context_len``. The
-    contexts of a batch differ in length, and with one program per (sequence, K/V head) the
-    GPU ends up waiting for the longest. (From scripts/tune_attention.py's decode sweep;
-    history in benchmarks/attention_tuning.md.)"""
-    want = triton.cdiv(12 * num_sms, max(1, num_seqs * num_kv_heads))
+    multiprocessor (SPLIT_PROGRAMS_PER_SM), but no split shorter than 256 tokens of
+    ``max_context_len``. The contexts of a batch differ in length, and with one program per
+    (sequence, K/V head) the GPU ends up waiting for the longest. (From
+    scripts/tune_attention.py's decode sweep; history in benchmarks/attention_tuning.md.)"""
+    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context_len, 256)))
 
 
