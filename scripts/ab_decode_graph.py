@@ -15,6 +15,8 @@ the engine is built:
   a power of two, at most 4,096) as one tile of ``elements``;
 - ``n:<block_n>:<warps>:<stages>``: a one-row gemv with BLOCK_N columns a program, its BLOCK_K
   as the package sets it;
+- ``m:<block_n>:<block_k>:<warps>:<stages>``: a gemv of 5 to 16 rows (the tensor-core path)
+  takes that tile (a gated one half the columns);
 - ``s<count>``: the decode attention takes at most ``count`` splits;
 - ``p<count>``: its split rule aims at ``count`` programs a multiprocessor (the package: 12).
 CONTEXT (default 128) is the prompts' length: the decode graph's attention reads that many
@@ -58,6 +60,18 @@ def patch_gemv(kind: str, value: int, warps: int, stages: int) -> None:
     gemv.gemv_config = config
 
 
+def patch_rows_gemv(block_n: int, block_k: int, warps: int, stages: int) -> None:
+    package_config = gemv.gemv_config
+
+    def config(n: int, k: int, rows: int = 2) -> dict:
+        c = package_config(n, k, rows)
+        if rows > gemv.SUM_ROWS:
+            c = {"DOT": True, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+        return c
+
+    gemv.gemv_config = config
+
+
 def patch_splits(cap: int) -> None:
     package_splits = paged_attention.decode_num_splits
     paged_attention.decode_num_splits = lambda *args, **kwargs: min(cap, package_splits(*args, **kwargs))
@@ -68,12 +82,14 @@ def apply(variant: str) -> None:
         if part.startswith(("g:", "n:")):
             kind, value, warps, stages = part.split(":")
             patch_gemv(kind, int(value), int(warps), int(stages))
+        elif part.startswith("m:"):
+            patch_rows_gemv(*(int(v) for v in part.split(":")[1:]))
         elif part.startswith("s") and part[1:].isdigit():
             patch_splits(int(part[1:]))
         elif part.startswith("p") and part[1:].isdigit():
             paged_attention.SPLIT_PROGRAMS_PER_SM = int(part[1:])
         elif part != "base":
-            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, sN, pN)")
+            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, m:B:K:W:S, sN, pN)")
 
 
 def measure(context: int) -> dict:
