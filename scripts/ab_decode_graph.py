@@ -17,6 +17,8 @@ the engine is built:
   as the package sets it;
 - ``m:<block_n>:<block_k>:<warps>:<stages>``: a gemv of 5 to 16 rows (the tensor-core path)
   takes that tile (a gated one half the columns);
+- ``gw<warps>``: the gated gemv (gate/up ending in SwiGLU) of 5 to 16 rows runs its tile on
+  ``warps`` warps;
 - ``s<count>``: the decode attention takes at most ``count`` splits;
 - ``p<count>``: its split rule aims at ``count`` programs a multiprocessor (the package: 12).
 CONTEXT (default 128) is the prompts' length: the decode graph's attention reads that many
@@ -77,6 +79,16 @@ def patch_splits(cap: int) -> None:
     paged_attention.decode_num_splits = lambda *args, **kwargs: min(cap, package_splits(*args, **kwargs))
 
 
+def patch_gated_warps(warps: int) -> None:
+    package_config = gemv.gated_config
+
+    def config(n: int, k: int, rows: int = 2) -> dict:
+        c = package_config(n, k, rows)
+        return {**c, "num_warps": warps} if rows > gemv.SUM_ROWS else c
+
+    gemv.gated_config = config
+
+
 def apply(variant: str) -> None:
     for part in variant.split("+"):
         if part.startswith(("g:", "n:")):
@@ -84,12 +96,14 @@ def apply(variant: str) -> None:
             patch_gemv(kind, int(value), int(warps), int(stages))
         elif part.startswith("m:"):
             patch_rows_gemv(*(int(v) for v in part.split(":")[1:]))
+        elif part.startswith("gw") and part[2:].isdigit():
+            patch_gated_warps(int(part[2:]))
         elif part.startswith("s") and part[1:].isdigit():
             patch_splits(int(part[1:]))
         elif part.startswith("p") and part[1:].isdigit():
             paged_attention.SPLIT_PROGRAMS_PER_SM = int(part[1:])
         elif part != "base":
-            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, m:B:K:W:S, sN, pN)")
+            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, m:B:K:W:S, gwN, sN, pN)")
 
 
 def measure(context: int) -> dict:
