@@ -52,6 +52,26 @@ def test_startup_steps_leave_the_engine_as_it_was(tiny_qwen3, hybrid_checkpoint,
     assert got == expected
 
 
+@pytest.mark.parametrize("decode_graphs", [True, False])
+def test_startup_samples_a_greedy_row_beside_a_tempered_one(tiny_qwen3, monkeypatch, decode_graphs):
+    """The start-up's sampling reaches the sampling kernels, not only the argmax that a batch
+    of greedy rows takes: with decode graphs the last start-up step is one prompt, whose one
+    row of logits must still be sampled both ways (a user's first tempered run compiled the
+    sampling kernels otherwise)."""
+    llm = LLM(str(tiny_qwen3), max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    sampled, launch = [], runner.sampler.launch
+
+    def spy(logits, params, *args, **kwargs):
+        sampled.append((logits.shape[0], [p.temperature for p in params]))
+        return launch(logits, params, *args, **kwargs)
+
+    monkeypatch.setattr(runner.sampler, "launch", spy)
+    runner.compile_kernels(decode_graphs=decode_graphs)
+    (rows, temperatures), = sampled
+    assert rows >= 2 and 0.0 in temperatures and any(t > 0 for t in temperatures)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_run_compiles_nothing_after_startup(tiny_qwen3, enforce_eager):

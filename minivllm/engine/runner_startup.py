@@ -379,7 +379,12 @@ class RunnerStartup:
             if self.state_layers:  # slots 0.., starting from zeros
                 self._set_state_slots(np.array([range(step.num_seqs), [0] * step.num_seqs], dtype=np.int64))
             logits, _ = self.execute(input_ids, positions)
-        if sample and logits is not None:  # the sampler's kernels too: greedy rows and tempered ones
+        if sample and logits is not None:
+            # The sampler's kernels too: a greedy row beside a tempered one (a batch of greedy
+            # rows alone takes the argmax, not the sampling kernels). The last step may have
+            # left one row of logits: it is copied twice (a copy, not a view of stride 0: the
+            # kernels specialise on the row stride's alignment, as in a run).
+            logits = logits[:1].repeat(2, 1) if logits.shape[0] < 2 else logits
             rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * logits.shape[0]
             self.sampler.launch(logits, rows[: logits.shape[0]], [None] * logits.shape[0], None).to_host()
         if self.device.type == "cuda":
