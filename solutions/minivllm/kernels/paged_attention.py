@@ -24,7 +24,8 @@ step's own keys are not in the cache yet: the kernel takes them from the step's 
 stores them at their slots (the KV store, fused): in a decode step (NEW_KV) the split that
 holds the newest key folds it in, in a short prefill split 0 folds them all in. With one
 split the kernel writes the output; otherwise each split writes a partial output and its
-log-sum-exp, and ``_merge_kernel`` combines them.
+log-sum-exp, and ``_merge_kernel`` combines them. A split with no keys (a short context in a
+grid sized for a long one) writes only its log-sum-exp, -inf, and the merge skips it.
 
 The prefill kernel: one program handles BLOCK_M query positions of one sequence for all the
 query heads of one KV group (a [BLOCK_M * group, head_dim] tile) and walks the keys up to
