@@ -158,15 +158,10 @@ def _qk_norm_rope_kernel(
     cos = tl.load(cos_ptr + pos * stride_cache + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cache + d)[None, :]
     wait_for_previous(USE_PDL)
-    # The token's queries in one program, its keys in another: in one program the keys are
-    # loaded only once the queries are done (the compiler keeps loads behind stores it cannot
-    # tell apart from them), two memory round trips one after the other where one serves.
-    if tl.program_id(1) == 0:
-        _norm_rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, q_w_ptr, cos, sin,
-                         stride_qh, stride_qoh, n_q_heads, eps, HALF, BLOCK_QH, HAS_NORM)
-    else:
-        _norm_rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, k_w_ptr, cos, sin,
-                         stride_kh, stride_koh, n_k_heads, eps, HALF, BLOCK_KH, HAS_NORM)
+    _norm_rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, q_w_ptr, cos, sin,
+                     stride_qh, stride_qoh, n_q_heads, eps, HALF, BLOCK_QH, HAS_NORM)
+    _norm_rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, k_w_ptr, cos, sin,
+                     stride_kh, stride_koh, n_k_heads, eps, HALF, BLOCK_KH, HAS_NORM)
 
 
 def qk_norm_rope(
@@ -198,7 +193,7 @@ def qk_norm_rope(
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, k_heads, head_dim, dtype=k.dtype, device=k.device)
     has_norm = q_weight is not None
-    _qk_norm_rope_kernel[(tokens, 2)](
+    _qk_norm_rope_kernel[(tokens,)](
         q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k, positions,
         cos_cache, sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
