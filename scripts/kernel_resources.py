@@ -4,9 +4,10 @@ Hopper GPU (sm_90), on any machine: Triton compiles for a target without one, an
 carries ptxas and cuobjdump. No GPU needed.
 
 A multiprocessor has 65,536 registers, 228 KB of shared memory and room for 64 warps: a
-kernel whose programs take 255 registers a thread on 4 warps fits two programs on one, and a
-grid of 1,600 such programs runs in about six waves on 132 multiprocessors. Registers past
-255 spill to local memory (``spill``: bytes a thread). ``programs_per_sm``: how many programs
+kernel whose programs take 128 registers a thread on 4 warps and 74 KB of shared memory fits
+three programs on one, and a grid of 1,600 such programs runs in about four waves on 132
+multiprocessors. Registers past 255 spill to local memory (``spill``: bytes a thread). Each
+kernel is compiled as a launch of these shapes would compile it (``aligned``). ``programs_per_sm``: how many programs
 a multiprocessor holds at once by registers, shared memory and warps (the register
 allocator's granularity left out: an upper bound). The shapes are Qwen3-0.6B's (16 query and
 8 K/V heads of 128, hidden 1,024, intermediate 3,072), bfloat16, the tiles the package picks.
@@ -41,10 +42,20 @@ def signature(kernel, pointers: dict, constants: dict) -> dict:
     return {**sig, **{name: "constexpr" for name in constants}}
 
 
+def aligned(kernel, sig: dict) -> dict:
+    """What a launch tells the compiler about the arguments of these shapes: every pointer
+    16-byte aligned and every integer a multiple of 16 (Qwen3-0.6B's sizes and strides are),
+    but those the kernel declares ``do_not_specialize``. Without it the compiler cannot
+    vectorise a load, and the registers it counts are another kernel's."""
+    unknown = {p.name for p in kernel.params if p.do_not_specialize}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+            if name not in unknown and (sig[name].startswith("*") or sig[name] == "i32")}
+
+
 def resources(kernel, pointers: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
     """Compile for sm_90 and read the cubin's resource usage."""
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, pointers, constants),
-                                        constexprs=constants),
+    sig = signature(kernel, pointers, constants)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constants, attrs=aligned(kernel, sig)),
                               target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
