@@ -8,6 +8,10 @@ difference of its output from the default tiles' (a tile that computes something
 worthless however fast it is).
 
     python scripts/tune_fp8_decode.py --out benchmarks/fp8_decode_tuning.json
+
+``--products``: the float8 cache's tiles taken into the float8 tensor cores as they are
+(``FP8_DOT``), swept, against the default tiles of both caches (the earlier sweeps' rows are
+left out).
 """
 import argparse
 import itertools
@@ -46,6 +50,7 @@ def case(batch: int, context: int, dtype: torch.dtype, generator: torch.Generato
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--products", action="store_true", help="sweep FP8_DOT's tiles (the float8 tensor cores)")
     args = parser.parse_args()
     bandwidth = measure_ceilings()["copy_bandwidth_bytes_per_s"]
     generator = torch.Generator("cuda").manual_seed(0)
@@ -55,7 +60,10 @@ def main():
     for (batch, context), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float8_e4m3fn)):
         c = case(batch, context, dtype, generator)
         default = paged_decode_attention(*c["args"], **c["scales"])
-        for config in [None, *configs]:
+        tiles = [None, *configs]
+        if args.products:
+            tiles = [None] if dtype == torch.bfloat16 else [None, *({**c, "FP8_DOT": True} for c in [{}, *configs])]
+        for config in tiles:
             try:
                 out = paged_decode_attention(*c["args"], config=config, **c["scales"])
                 seconds = time_cuda(lambda: paged_decode_attention(*c["args"], config=config, **c["scales"]),
