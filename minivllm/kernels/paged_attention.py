@@ -162,7 +162,7 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+        v = _load_values(v_cache_ptr, rows, n0, kv_head, d, valid, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N).to(q.dtype)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
     return m, l, acc
     # END SOLUTION
@@ -211,7 +211,7 @@ def _attend_cached_keys_fp8(q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, s
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s * qk_scale - m_safe[None, :])
         l = l * alpha + tl.sum(p, axis=0)
-        v_t = _load_values_t(v_cache_ptr, rows, d, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)  # [HEAD_DIM, BLOCK_N]
+        v_t = _load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
         acc = tl.dot(v_t, (p * FP8_MAX).to(tl.float8e4nv), acc * alpha[None, :])
         m = m_new
     return m, l, tl.trans(acc) * (1.0 / FP8_MAX)
@@ -645,29 +645,32 @@ def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
 
 
 @triton.jit
-def _load_values_t(v_cache_ptr, rows, d, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A float8 cache's values [HEAD_DIM, BLOCK_N] (transposed) of the keys whose cache rows
-    are ``rows`` (as ``_kv_tile_rows`` gives them), as its key-contiguous layout holds them
-    (kv_store.py): runs of min(BLOCK_SIZE, BLOCK_N) keys, each 16-byte aligned and
-    contiguous. Read unmasked: a float8 pool holds finite values only, and an invisible
-    key's weight is exactly 0."""
-    block_start = rows // stride_cb * stride_cb
-    within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
-    cols = block_start + within % stride_cs * BLOCK_SIZE + within // stride_cs
+def _load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """A float8 cache's values [HEAD_DIM, BLOCK_N] (transposed) of keys n0 .. n0 + BLOCK_N - 1
+    of K/V head kv_head, whose key rows are ``rows`` (as ``_kv_tile_rows`` gives them), as the
+    values' key-contiguous layout holds them (kv_store.py): runs of min(BLOCK_SIZE, BLOCK_N)
+    keys, each 16-byte aligned and contiguous. Read unmasked: a float8 pool holds finite
+    values only, and an invisible key's weight is exactly 0."""
+    slot = (n0 + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
+    # A key's row is block * stride_cb + slot * stride_cs + kv_head * stride_ch; its value's
+    # run starts at block * stride_cb + kv_head * HEAD_DIM * BLOCK_SIZE. Adds and multiplies
+    # only: recovering the block from the row would be an int64 division per key.
+    cols = rows + slot * (1 - stride_cs) + kv_head * (d.shape[0] * BLOCK_SIZE - stride_ch)
     RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
     cols = tl.max_contiguous(tl.multiple_of(cols, RUN), RUN)
     return tl.load(v_cache_ptr + cols[None, :] + d[:, None] * BLOCK_SIZE)
 
 
 @triton.jit
-def _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+def _load_values(v_cache_ptr, rows, n0, kv_head, d, valid, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
-    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
-    zeros (valid None: all). A float8 cache's: ``_load_values_t``'s tile, transposed in
-    registers."""
+    """The values [BLOCK_N, HEAD_DIM] of keys n0 .. n0 + BLOCK_N - 1 of K/V head kv_head, whose
+    cache rows are ``rows`` (element offsets, as ``_kv_tile_rows`` gives them), keys not
+    ``valid`` as zeros (valid None: all). A float8 cache's: ``_load_values_t``'s tile,
+    transposed in registers."""
     if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
-        v = tl.trans(_load_values_t(v_cache_ptr, rows, d, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N))
+        v = tl.trans(_load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N))
     elif valid is None:
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
     else:
@@ -771,7 +774,7 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)),
                            input_precision=PRECISION)
-            v = _load_values(v_cache_ptr, rows, d, None, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, n0, kv_head, d, None, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -804,7 +807,7 @@ def _prefill_kernel(
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, n0, kv_head, d, valid, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
