@@ -51,6 +51,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--products", action="store_true", help="sweep FP8_DOT's tiles (the float8 tensor cores)")
+    parser.add_argument("--prefetch", action="store_true", help="the default tile with and without PREFETCH, twice")
     args = parser.parse_args()
     bandwidth = measure_ceilings()["copy_bandwidth_bytes_per_s"]
     generator = torch.Generator("cuda").manual_seed(0)
@@ -63,6 +64,10 @@ def main():
         tiles = [None, *configs]
         if args.products:
             tiles = [None] if dtype == torch.bfloat16 else [None, *({**c, "FP8_DOT": True} for c in [{}, *configs])]
+        if args.prefetch:
+            tiles = [None, {"PREFETCH": True}, None, {"PREFETCH": True}]
+            if dtype != torch.bfloat16:
+                tiles += [{"FP8_DOT": True}, {"FP8_DOT": True, "PREFETCH": True}] * 2
         for config in tiles:
             try:
                 out = paged_decode_attention(*c["args"], config=config, **c["scales"])

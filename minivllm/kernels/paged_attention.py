@@ -136,13 +136,16 @@ def _query_tile(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: tl.
 def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, end, last_block,
                         kv_head, stride_cb, stride_cs, stride_ch, window, scale,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr, DECODE: tl.constexpr):
+                        PRECISION: tl.constexpr, DECODE: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Fold the cached keys [start, end) of one sequence and K/V head into the running
     softmax of the query rows q (at positions q_pos), a tile of BLOCK_N keys at a time, read
     in place through the block table (bt_ptr), in q's dtype (a float8 cache's: ``scale``
     holds its k_scale, and acc is in units of its v_scale). Returns the new (m, l, acc)."""
     # BEGIN SOLUTION ch09 paged_key_loop
     d = tl.arange(0, HEAD_DIM)
+    if PREFETCH:
+        rows_next = _kv_tile_rows(bt_ptr, start, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE,
+                                  BLOCK_N, False)
     for n0 in range(start, end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
@@ -150,8 +153,13 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         # One block id per key (read once per block instead, the tile's gather loses its
         # layout). Past the last block the ids are clamped to it: those rows are masked,
         # never read.
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                             False)
+        if PREFETCH:
+            rows = rows_next
+            rows_next = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, kv_head * stride_ch, stride_cb, stride_cs,
+                                      BLOCK_SIZE, BLOCK_N, False)
+        else:
+            rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE,
+                                 BLOCK_N, False)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if DECODE:
@@ -171,7 +179,8 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
 @triton.jit
 def _attend_cached_keys_fp8(q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, end, last_block, kv_head,
                             stride_cb, stride_cs, stride_ch, window, scale, HEAD_DIM: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr):
+                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+                            PREFETCH: tl.constexpr = False):
     """``_attend_cached_keys`` on a float8 cache's tiles as they are, on the float8 tensor
     cores (chapter 20), from an empty running softmax. Hopper's float8 products (wgmma) take
     at least 64 rows, and a decode program has 16 (two real): so the products are
@@ -188,12 +197,20 @@ def _attend_cached_keys_fp8(q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, s
     m = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros([HEAD_DIM, q.shape[0]], tl.float32)  # transposed
+    if PREFETCH:
+        rows_next = _kv_tile_rows(bt_ptr, start, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE,
+                                  BLOCK_N, False)
     for n0 in range(start, end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         n = n0 + tl.arange(0, BLOCK_N)
         valid = (n < end) & (n >= first)
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                             False)
+        if PREFETCH:
+            rows = rows_next
+            rows_next = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, kv_head * stride_ch, stride_cb, stride_cs,
+                                      BLOCK_SIZE, BLOCK_N, False)
+        else:
+            rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE,
+                                 BLOCK_N, False)
         # Read unmasked: a float8 pool holds finite values only, and the scores of keys not
         # visible become -inf below.
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM]
@@ -348,7 +365,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     DIRECT: tl.constexpr, NEW_KV: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_QK: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
+    BLOCK_QK: tl.constexpr = 16, FP8_DOT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     # The step's metadata (lengths, cu_seqlens) was copied in before its first kernel: this
     # program's key range is worked out before waiting for the kernel before, which wrote q.
@@ -405,11 +422,11 @@ def _decode_kernel(
     if FP8_DOT:
         m, l, acc = _attend_cached_keys_fp8(q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, cache_end,
                                             last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
-                                            scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DECODE)
+                                            scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DECODE, PREFETCH)
     else:
         m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
                                         cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
-                                        scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
+                                        scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE, PREFETCH)
     head_off = kv_head * stride_ch
     qk_scale = scale * k_scale * LOG2E
     if DECODE:
