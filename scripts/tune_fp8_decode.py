@@ -9,6 +9,14 @@ worthless however fast it is).
 
     python scripts/tune_fp8_decode.py --out benchmarks/fp8_decode_tuning.json
 
+``--profile VARIANT`` (bf16, fp8, fp8-dot; ``-pf`` appended: PREFETCH): three launches of the
+default tile at 256 x 1,024 and nothing else, for a profiler to read the third:
+
+    ncu --clock-control none -k regex:_decode_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section SchedulerStats \
+        python scripts/tune_fp8_decode.py --profile fp8
+
 ``--products``: the float8 cache's tiles taken into the float8 tensor cores as they are
 (``FP8_DOT``), swept, against the default tiles of both caches (the earlier sweeps' rows are
 left out).
@@ -47,12 +55,28 @@ def case(batch: int, context: int, dtype: torch.dtype, generator: torch.Generato
             "bytes": 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()}
 
 
+def profile(variant: str) -> None:
+    """Three launches of one variant's default tile at 256 x 1,024 (a profiler reads the third)."""
+    dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float8_e4m3fn
+    config = {**({"FP8_DOT": True} if "dot" in variant else {}), **({"PREFETCH": True} if variant.endswith("-pf") else {})}
+    c = case(256, 1024, dtype, torch.Generator("cuda").manual_seed(0))
+    for _ in range(3):
+        paged_decode_attention(*c["args"], config=config, **c["scales"])
+    torch.cuda.synchronize()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--profile", help="bf16, fp8 or fp8-dot (-pf: PREFETCH): three launches for a profiler")
     parser.add_argument("--products", action="store_true", help="sweep FP8_DOT's tiles (the float8 tensor cores)")
     parser.add_argument("--prefetch", action="store_true", help="the default tile with and without PREFETCH, twice")
     args = parser.parse_args()
+    if args.profile:
+        profile(args.profile)
+        return
+    if not args.out:
+        parser.error("--out is required")
     bandwidth = measure_ceilings()["copy_bandwidth_bytes_per_s"]
     generator = torch.Generator("cuda").manual_seed(0)
     configs = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
