@@ -77,7 +77,7 @@ def decode_attention(direct: bool, block_n: int, warps: int, stages: int) -> dic
                 "part_lse_ptr": "*fp32", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                 "cu_seqlens_ptr": "*i32", "slot_ptr": "*i64", "scale": "fp32"}
     constants = dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n, PRECISION="tf32",
-                     USE_PDL=True, DIRECT=direct, NEW_KV=True, DECODE=True, BLOCK_Q=1, BLOCK_QK=16, FP8_DOT=False)
+                     USE_PDL=True, DIRECT=direct, NEW_KV=True, DECODE=True, BLOCK_Q=1, BLOCK_QK=16)
     return resources(paged_attention._decode_kernel, pointers, constants, warps, stages)
 
 

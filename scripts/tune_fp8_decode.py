@@ -9,17 +9,13 @@ worthless however fast it is).
 
     python scripts/tune_fp8_decode.py --out benchmarks/fp8_decode_tuning.json
 
-``--profile VARIANT`` (bf16, fp8, fp8-dot; ``-pf`` appended: PREFETCH): three launches of the
-default tile at 256 x 1,024 and nothing else, for a profiler to read the third:
+``--profile bf16`` or ``--profile fp8``: three launches of the default tile at 256 x 1,024
+and nothing else, for a profiler to read the third:
 
     ncu --clock-control none -k regex:_decode_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy --section LaunchStats --section SchedulerStats \
         python scripts/tune_fp8_decode.py --profile fp8
-
-``--products``: the float8 cache's tiles taken into the float8 tensor cores as they are
-(``FP8_DOT``), swept, against the default tiles of both caches (the earlier sweeps' rows are
-left out).
 """
 import argparse
 import itertools
@@ -56,21 +52,18 @@ def case(batch: int, context: int, dtype: torch.dtype, generator: torch.Generato
 
 
 def profile(variant: str) -> None:
-    """Three launches of one variant's default tile at 256 x 1,024 (a profiler reads the third)."""
-    dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float8_e4m3fn
-    config = {**({"FP8_DOT": True} if "dot" in variant else {}), **({"PREFETCH": True} if variant.endswith("-pf") else {})}
+    """Three launches of one cache's default tile at 256 x 1,024 (a profiler reads the third)."""
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float8_e4m3fn
     c = case(256, 1024, dtype, torch.Generator("cuda").manual_seed(0))
     for _ in range(3):
-        paged_decode_attention(*c["args"], config=config, **c["scales"])
+        paged_decode_attention(*c["args"], **c["scales"])
     torch.cuda.synchronize()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--profile", help="bf16, fp8 or fp8-dot (-pf: PREFETCH): three launches for a profiler")
-    parser.add_argument("--products", action="store_true", help="sweep FP8_DOT's tiles (the float8 tensor cores)")
-    parser.add_argument("--prefetch", action="store_true", help="the default tile with and without PREFETCH, twice")
+    parser.add_argument("--profile", choices=["bf16", "fp8"], help="three launches of the default tile, for a profiler")
     args = parser.parse_args()
     if args.profile:
         profile(args.profile)
@@ -85,14 +78,7 @@ def main():
     for (batch, context), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float8_e4m3fn)):
         c = case(batch, context, dtype, generator)
         default = paged_decode_attention(*c["args"], **c["scales"])
-        tiles = [None, *configs]
-        if args.products:
-            tiles = [None] if dtype == torch.bfloat16 else [None, *({**c, "FP8_DOT": True} for c in [{}, *configs])]
-        if args.prefetch:
-            tiles = [None, {"PREFETCH": True}, None, {"PREFETCH": True}]
-            if dtype != torch.bfloat16:
-                tiles += [{"FP8_DOT": True}, {"FP8_DOT": True, "PREFETCH": True}] * 2
-        for config in tiles:
+        for config in [None, *configs]:
             try:
                 out = paged_decode_attention(*c["args"], config=config, **c["scales"])
                 seconds = time_cuda(lambda: paged_decode_attention(*c["args"], config=config, **c["scales"]),

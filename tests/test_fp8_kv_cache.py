@@ -91,28 +91,15 @@ def reference(q, k, v, k_cache, v_cache, tables, lens, q_lens, slots, scale, win
     return out, k_cache, v_cache
 
 
-def fp8_exact_queries(tokens, heads, head_dim):
-    """Queries that e4m3 holds exactly at the scale ``fp8_query`` picks: e4m3 values times
-    2^-6 whose largest magnitude, in every row, is 448 * 2^-6 (so the scale is a power of two
-    and q / q_scale rounds nothing). The float8 products then round only the weights."""
-    q = torch.randn(tokens, heads, head_dim, device=DEVICE).clamp(-6, 6).to(FP8).float() * 2**-6
-    q[:, :, 0] = 448 * 2**-6
-    return q.to(DTYPE)
-
-
-def check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window, seed=0, tol=TOL,
-                            fp8_queries=False):
+def check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window, seed=0):
     """Run ``kernel(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale)`` on a fresh
     fp8 cache and the reference on a copy: the same output (the kernel's poisoned with NaN
     first where it writes into a given one), and the same cache afterwards, the step's keys
-    and values stored bit for bit. ``fp8_queries``: queries e4m3 holds exactly."""
+    and values stored bit for bit."""
     torch.manual_seed(seed)
     k_cache, v_cache, tables = random_fp8_cache(lens, kv_heads, head_dim, block_size)
     tokens = sum(q_lens)
-    if fp8_queries:
-        q = fp8_exact_queries(tokens, heads, head_dim)
-    else:
-        q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=DTYPE)
     k = 3 * torch.randn(tokens, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
     v = torch.randn(tokens, kv_heads, head_dim, device=DEVICE, dtype=DTYPE)
     slots = step_slots(tables, lens, q_lens, block_size)
@@ -123,7 +110,7 @@ def check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens,
     got = kernel(q, k, v, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE), cu, slots,
                  scale, window)
     assert not got.isnan().any(), "query rows left unwritten"
-    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(got.float(), want, **TOL)
     if not CUDA:  # the GPU's bf16 k may round differently before the division: compare outputs only
         assert torch.equal(k_cache.view(torch.uint8), k_want.view(torch.uint8)), "keys stored differently"
         assert torch.equal(v_cache.view(torch.uint8), v_want.view(torch.uint8)), "values stored differently"
@@ -218,12 +205,12 @@ def test_fp8_values_are_stored_key_contiguous():
 # -- the attention kernels on an fp8 cache -----------------------------------------------------
 
 
-def decode(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, num_splits=None, config=None):
+def decode(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, num_splits=None):
     from minivllm.kernels.paged_attention import paged_decode_attention
 
     return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, int(lens.max()), num_splits=num_splits,
-                                  sliding_window=window, config=config, k=k, v=v, slot_mapping=slots,
-                                  k_scale=scales()[0], v_scale=scales()[1])
+                                  sliding_window=window, k=k, v=v, slot_mapping=slots, k_scale=scales()[0],
+                                  v_scale=scales()[1])
 
 
 def prefill(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, config=None):
@@ -238,12 +225,12 @@ def prefill(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, c
                                    v_scale=scales()[1])
 
 
-def short_prefill(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, num_splits=None, config=None):
+def short_prefill(q, k, v, k_cache, v_cache, tables, lens, cu, slots, scale, window, num_splits=None):
     from minivllm.kernels.paged_attention import paged_short_prefill_attention
 
     return paged_short_prefill_attention(q, k_cache, v_cache, tables, lens, cu, int((cu[1:] - cu[:-1]).max()), scale,
                                          int(lens.max()), k, v, slots, sliding_window=window, num_splits=num_splits,
-                                         config=config, k_scale=scales()[0], v_scale=scales()[1])
+                                         k_scale=scales()[0], v_scale=scales()[1])
 
 
 # Lengths on and off block boundaries (block 4 or 8 here, 16 on the GPU).
@@ -290,42 +277,6 @@ def test_short_prefill_kernel_fp8(heads, kv_heads, head_dim, block_size, num_spl
     check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window)
 
 
-# The float8 products round the softmax weights to e4m3 (3 mantissa bits): each weight within
-# 1/16 of itself. Measured on these inputs, 0.026 at most; a weight or a key handled wrongly
-# (unscaled, unmasked, twice) moves outputs of this size by far more.
-FP8_DOT_TOL = dict(atol=5e-2, rtol=0)
-
-
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("window", [None, 6 if not CUDA else 100])
-@pytest.mark.parametrize("step", ["decode", "short-prefill"])
-def test_split_context_kernel_fp8_products(heads, kv_heads, head_dim, block_size, num_splits, window, step):
-    """FP8_DOT: the cache's tiles into the float8 tensor cores as they are, q and the weights
-    rounded to e4m3. With queries e4m3 holds exactly, within the weights' rounding of the
-    reference on the same cache."""
-    fp8 = {"FP8_DOT": True}
-    if step == "decode":
-        kernel = lambda *a: decode(*a, num_splits=num_splits, config=fp8)  # noqa: E731
-        lens, q_lens = DECODE_LENS, [1] * len(DECODE_LENS)
-    else:
-        kernel = lambda *a: short_prefill(*a, num_splits=num_splits, config=fp8)  # noqa: E731
-        lens, q_lens = ([20, 5, 33, 9], [4, 1, 3, 4]) if not CUDA else ([1000, 5, 129, 4097], [4, 1, 3, 4])
-    check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window, tol=FP8_DOT_TOL,
-                            fp8_queries=True)
-
-
-def test_fp8_products_need_a_float8_cache():
-    from minivllm.kernels.paged_attention import paged_decode_attention
-
-    q = torch.randn(2, 4, 16, device=DEVICE, dtype=DTYPE)
-    cache = torch.zeros(3, 4, 2, 16, device=DEVICE, dtype=DTYPE)
-    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
-    tables = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="FP8_DOT"):
-        paged_decode_attention(q, cache, cache, tables, lens, 0.25, 5, config={"FP8_DOT": True})
-
-
 # Compiles every kernel that reads or writes the cache for sm_90 with a float8 cache and bf16
 # queries, the step's keys and values bf16 (read through tensor descriptors by the prefill
 # kernel): the interpreter checks the arithmetic, not that the conversions and dots compile
@@ -344,10 +295,8 @@ def build(fn, signature, constexprs, opts):
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=target, options=opts)
-    # Byte-wise loads from shared memory: a float8 tile gathered element by element; and
-    # whether the float8 tensor cores take the tiles (wgmma on e4m3 operands).
-    ptx = kernel.asm["ptx"]
-    return kernel.metadata.shared, ptx.count("ld.shared.b8"), "e4m3.e4m3" in ptx and "wgmma.mma_async" in ptx
+    # Byte-wise loads from shared memory: a float8 tile gathered element by element.
+    return kernel.metadata.shared, kernel.asm["ptx"].count("ld.shared.b8")
 out = []
 head_dim, group = 128, 2
 # prefill: the default (NEW_KV: the bf16 step through tensor descriptors), FROM_SCRATCH, all gathered
@@ -364,8 +313,7 @@ for extra in ({}, {"FROM_SCRATCH": True}, {"NEW_KV": False, "K_T": True}):
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     out.append(["prefill", extra, build(_prefill_kernel, sig, ce, launch)])
 # decode and short prefill
-for decode, direct, products in ((True, True, False), (True, False, False), (False, False, False),
-                                 (True, False, True), (False, False, True)):
+for decode, direct in ((True, True), (True, False), (False, False)):
     config = decode_config(head_dim, 1)
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
            "context_lens_ptr": "*i32", "cu_seqlens_ptr": "*i32", "part_out_ptr": "*bf16" if direct else "*fp32",
@@ -376,10 +324,9 @@ for decode, direct, products in ((True, True, False), (True, False, False), (Fal
                                    "stride_knh", "stride_vnt", "stride_vnh", "window")})
     ce = {"GROUP": group, "BLOCK_G": 16 if decode else group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
           "BLOCK_N": config["BLOCK_N"], "PRECISION": "tf32", "USE_PDL": False, "DIRECT": direct, "NEW_KV": True,
-          "DECODE": decode, "BLOCK_Q": 1 if decode else 8, "BLOCK_QK": 16, "FP8_DOT": products}
+          "DECODE": decode, "BLOCK_Q": 1 if decode else 8, "BLOCK_QK": 16}
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    name = ("decode" if decode else "short") + (" fp8-dot" if products else "")
-    out.append([name, direct, build(_decode_kernel, sig, ce, launch)])
+    out.append(["decode" if decode else "short", direct, build(_decode_kernel, sig, ce, launch)])
 sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_k": "i32", "stride_v": "i32"}
 out.append(["store", None, build(_store_kv_kernel, sig, {"ROW": 1024, "BLOCK": 1024, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
@@ -399,16 +346,13 @@ def test_kernels_compile_for_hopper_with_fp8_cache():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert [r[0] for r in results] == ["prefill"] * 3 + ["decode", "decode", "short", "decode fp8-dot",
-                                                         "short fp8-dot", "store"]
-    assert all(shared <= 232448 for *_, (shared, _, _) in results), results  # the H200's shared memory per block
+    assert [r[0] for r in results] == ["prefill"] * 3 + ["decode", "decode", "short", "store"]
+    assert all(shared <= 232448 for *_, (shared, _) in results), results  # the H200's shared memory per block
     # The split-context kernel takes its key and value tiles into the tensor cores without a
     # byte-wise gather (its values key-contiguous, kv_store.py): at a decode step's rate a
     # gather costs more than the halved bytes save. (A decode step's newest key, one row once
     # a program, takes 8 such loads; the value tiles in the keys' layout took 136.)
-    assert all(byte_loads <= 8 for name, _, (_, byte_loads, _) in results if name != "prefill"), results
-    # FP8_DOT: Hopper's float8 products (they need 64 rows: the kernel puts the keys there).
-    assert [name for name, _, (*_, fp8_mma) in results if fp8_mma] == ["decode fp8-dot", "short fp8-dot"], results
+    assert all(byte_loads <= 8 for name, _, (_, byte_loads) in results if name in ("decode", "short")), results
 
 
 def test_bf16_cache_never_reads_the_scales():

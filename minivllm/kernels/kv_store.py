@@ -48,20 +48,6 @@ def attention_input(q, cache_ptr):
 
 
 @triton.jit
-def fp8_query(q):
-    """Queries q [rows, head_dim] for the float8 tensor cores (``FP8_DOT``): (q / q_scale in
-    e4m3, q_scale), one scale for the tile, its largest magnitude at 448. e4m3 rounds every
-    element to 3 mantissa bits whatever the scale; the scale only keeps the largest from
-    saturating and the smallest from flushing to zero, and a KV group's heads of one token
-    span a narrow range. q . k = q_scale * (q / q_scale) . k: the scale joins the softmax's."""
-    q = q.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(q), axis=1), axis=0)
-    q_scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = tl.clamp(q * (1.0 / q_scale), -FP8_MAX, FP8_MAX)  # the rounded reciprocal may overshoot 448
-    return q.to(tl.float8e4nv), q_scale
-
-
-@triton.jit
 def quantize_kv(x, scale, cache_ptr):
     """Keys or values x as the cache at cache_ptr holds them: for a float8 cache x / scale in
     float32, clamped to [-448, 448] so that a large value saturates instead of becoming NaN

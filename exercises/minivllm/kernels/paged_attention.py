@@ -53,8 +53,7 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
-from minivllm.kernels.kv_store import (FP8_MAX, attention_input, fp8_query, kv_scales, load_kv_scale, quantize_kv,
-                                      value_offsets)
+from minivllm.kernels.kv_store import attention_input, kv_scales, load_kv_scale, quantize_kv, value_offsets
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 
@@ -168,55 +167,6 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
         "Return the running state. Pitfall: a masked key loaded as zero still scores zero, not "
         "minus infinity, see notebooks/09_triton_kernels.ipynb"
     )
-
-
-@triton.jit
-def _attend_cached_keys_fp8(q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, end, last_block, kv_head,
-                            stride_cb, stride_cs, stride_ch, window, scale, HEAD_DIM: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr):
-    """``_attend_cached_keys`` on a float8 cache's tiles as they are, on the float8 tensor
-    cores (chapter 20), from an empty running softmax. Hopper's float8 products (wgmma) take
-    at least 64 rows, and a decode program has 16 (two real): so the products are
-    transposed, keys as rows. s^T = k . q^T [BLOCK_N, rows] and acc^T += v^T . p^T
-    [HEAD_DIM, rows], the cache's tiles read into shared memory and from there into the
-    tensor cores with no conversion, the key-contiguous values (kv_store.py) as v^T as they
-    lie. q goes in as e4m3 by one scale (``fp8_query``), the weights p times 448 (e4m3's
-    range holds them down to about 1e-5; a weight in [0, 1] as it is would flush to zero
-    below 0.002). ``scale``: the softmax scale times k_scale. Returns (m, l, acc) as
-    ``_attend_cached_keys`` does, acc [rows, HEAD_DIM]."""
-    q, q_scale = fp8_query(q)
-    qk_scale = scale * q_scale * LOG2E
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([q.shape[0]], float("-inf"), tl.float32)
-    l = tl.zeros([q.shape[0]], tl.float32)
-    acc = tl.zeros([HEAD_DIM, q.shape[0]], tl.float32)  # transposed
-    for n0 in range(start, end, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < end) & (n >= first)
-        rows = _kv_tile_rows(bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N,
-                             False)
-        # Read unmasked: a float8 pool holds finite values only, and the scores of keys not
-        # visible become -inf below.
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM]
-        s = tl.dot(k, tl.trans(q))  # [BLOCK_N, rows]
-        if DECODE:
-            visible = tl.expand_dims(valid, 1)
-        else:
-            visible = valid[:, None] & (q_pos[None, :] >= 0)
-            if window > 0:
-                visible = visible & (n[:, None] > q_pos[None, :] - window)
-        s = tl.where(visible, s, float("-inf"))
-        # The online softmax of _online_softmax_update, along the keys' axis 0.
-        m_new = tl.maximum(m, tl.max(s, axis=0) * qk_scale)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s * qk_scale - m_safe[None, :])
-        l = l * alpha + tl.sum(p, axis=0)
-        v_t = _load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
-        acc = tl.dot(v_t, (p * FP8_MAX).to(tl.float8e4nv), acc * alpha[None, :])
-        m = m_new
-    return m, l, tl.trans(acc) * (1.0 / FP8_MAX)
 
 
 @triton.jit
@@ -344,7 +294,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     DIRECT: tl.constexpr, NEW_KV: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_QK: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
+    BLOCK_QK: tl.constexpr = 16,
 ):
     # The step's metadata (lengths, cu_seqlens) was copied in before its first kernel: this
     # program's key range is worked out before waiting for the kernel before, which wrote q.
@@ -398,14 +348,9 @@ def _decode_kernel(
     # A float8 cache's scales fold into the softmax scale (keys) and the output (values).
     k_scale = load_kv_scale(k_scale_ptr, k_cache_ptr)
     v_scale = load_kv_scale(v_scale_ptr, v_cache_ptr)
-    if FP8_DOT:
-        m, l, acc = _attend_cached_keys_fp8(q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start, cache_end,
-                                            last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
-                                            scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DECODE)
-    else:
-        m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
-                                        cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
-                                        scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
+    m, l, acc = _attend_cached_keys(m, l, acc, q, q_pos0 + qi, k_cache_ptr, v_cache_ptr, bt_ptr, first, start,
+                                    cache_end, last_block, kv_head, stride_cb, stride_cs, stride_ch, window,
+                                    scale * k_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, DECODE)
     head_off = kv_head * stride_ch
     qk_scale = scale * k_scale * LOG2E
     if DECODE:
@@ -563,8 +508,6 @@ def _split_context_attention(grid, q, k_cache, v_cache, block_tables, context_le
     itself; otherwise each split writes its partial output and log-sum-exp, and the merge
     combines them. ``tile``: the kernel's variant (DECODE, NEW_KV) and query tile (BLOCK_G,
     BLOCK_Q, BLOCK_QK); ``k_scale``, ``v_scale``: a float8 cache's scales."""
-    if config.get("FP8_DOT") and k_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"config FP8_DOT (the float8 tensor cores) needs a float8 cache, got {k_cache.dtype}")
     part_out, part_lse = split_buffers(out, grid[2])
     k_scale, v_scale = kv_scales(k_cache, v_cache, k_scale, v_scale)
     _decode_kernel[grid](
@@ -638,32 +581,21 @@ def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
 
 
 @triton.jit
-def _load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """A float8 cache's values [HEAD_DIM, BLOCK_N] (transposed) of keys n0 .. n0 + BLOCK_N - 1
-    of K/V head kv_head, whose key rows are ``rows`` (as ``_kv_tile_rows`` gives them), as the
-    values' key-contiguous layout holds them (kv_store.py): runs of min(BLOCK_SIZE, BLOCK_N)
-    keys, each 16-byte aligned and contiguous. Read unmasked: a float8 pool holds finite
-    values only, and an invisible key's weight is exactly 0."""
-    slot = (n0 + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
-    # A key's row is block * stride_cb + slot * stride_cs + kv_head * stride_ch; its value's
-    # run starts at block * stride_cb + kv_head * HEAD_DIM * BLOCK_SIZE. Adds and multiplies
-    # only: recovering the block from the row would be an int64 division per key.
-    cols = rows + slot * (1 - stride_cs) + kv_head * (d.shape[0] * BLOCK_SIZE - stride_ch)
-    RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
-    cols = tl.max_contiguous(tl.multiple_of(cols, RUN), RUN)
-    return tl.load(v_cache_ptr + cols[None, :] + d[:, None] * BLOCK_SIZE)
-
-
-@triton.jit
-def _load_values(v_cache_ptr, rows, n0, kv_head, d, valid, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
+def _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """The values [BLOCK_N, HEAD_DIM] of keys n0 .. n0 + BLOCK_N - 1 of K/V head kv_head, whose
-    cache rows are ``rows`` (element offsets, as ``_kv_tile_rows`` gives them), keys not
-    ``valid`` as zeros (valid None: all). A float8 cache's: ``_load_values_t``'s tile,
-    transposed in registers."""
+    """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
+    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
+    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): the
+    tile is read as [HEAD_DIM, BLOCK_N], runs of min(BLOCK_SIZE, BLOCK_N) keys each 16-byte
+    aligned and contiguous, and transposed in registers; it is read unmasked (a float8 pool
+    holds finite values only, and an invisible key's weight is exactly 0)."""
     if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
-        v = tl.trans(_load_values_t(v_cache_ptr, rows, n0, kv_head, d, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N))
+        block_start = rows // stride_cb * stride_cb
+        within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
+        cols = block_start + within % stride_cs * BLOCK_SIZE + within // stride_cs
+        RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+        cols = tl.max_contiguous(tl.multiple_of(cols, RUN), RUN)
+        v = tl.trans(tl.load(v_cache_ptr + cols[None, :] + d[:, None] * BLOCK_SIZE))
     elif valid is None:
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
     else:
@@ -767,7 +699,7 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)),
                            input_precision=PRECISION)
-            v = _load_values(v_cache_ptr, rows, n0, kv_head, d, None, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, None, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -800,7 +732,7 @@ def _prefill_kernel(
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            v = _load_values(v_cache_ptr, rows, n0, kv_head, d, valid, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
