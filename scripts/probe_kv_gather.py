@@ -6,19 +6,23 @@ what holds it: benchmarks/README.md).
 One program per (sequence, K/V head), as the decode kernel's, walks its sequence's keys
 BLOCK_N at a time through a shuffled block table, loads each tile as the kernel does (one
 block id a key, clamped) and takes it into a 16-row dot, as the kernel does (so that the
-compiler pipelines the loads the same way), with no softmax. Five
-layouts of one K/V head's rows within a 16-token cache block:
+compiler pipelines the loads the same way), with no softmax. Five layouts of one K/V
+head's rows within a 16-token cache block, and a second way to read one of them:
 
 - ``bf16 keys``: [block, slot, head, dim], the engine's layout: 16 runs of 256 bytes, 2 KB
   apart;
 - ``fp8 keys``: the same in one byte: 16 runs of 128 bytes, 1 KB apart;
 - ``fp8 keys, head-major``: [block, head, slot, dim]: one run of 2 KB;
 - ``fp8 values``: the engine's float8 values, [block, head, dim, slot] read as
-  [dim, keys]: one run of 2 KB, loaded 16 bytes a key run;
+  [dim, keys]: one run of 2 KB, loaded 16 bytes a key run (a warp takes 64 bytes of each of
+  eight blocks);
+- ``fp8 values, whole blocks``: the same memory read a block's 2 KB chunk at a time (a warp
+  takes 512 contiguous bytes), rearranged into [dim, keys] in registers;
 - ``bf16 keys, head-major``: one run of 4 KB.
 
 If the float8 keys' 128-byte runs read slower than the others, the fp8 cache wants its keys
-head-major too. Reports GB/s and the share of the copy bandwidth measured in the same run.
+head-major too; if the whole-block read beats the values' 16-byte runs, the kernel wants it.
+Reports GB/s and the share of the copy bandwidth measured in the same run.
 
     python scripts/probe_kv_gather.py [--out FILE.json]
 """
@@ -40,7 +44,8 @@ SEQS, CONTEXT, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N = 256, 1024, 8, 128, 16, 
 
 @triton.jit
 def _gather_kernel(cache_ptr, bt_ptr, q_ptr, out_ptr, num_keys, stride_bt, stride_cb, stride_cs, stride_ch,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.constexpr,
+                   WHOLE_BLOCKS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -59,11 +64,22 @@ def _gather_kernel(cache_ptr, bt_ptr, q_ptr, out_ptr, num_keys, stride_bt, strid
         if KEY_MAJOR:
             tile = tl.load(cache_ptr + rows[:, None] + d[None, :])  # [BLOCK_N, HEAD_DIM]
             acc = tl.dot(q, tl.trans(tile.to(tl.float16)), acc)
-        else:
+        elif not WHOLE_BLOCKS:
             # Keys contiguous (the float8 values' layout): [HEAD_DIM, BLOCK_N], runs of BLOCK_SIZE keys.
             RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
             rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
             tile = tl.load(cache_ptr + rows[None, :] + d[:, None] * BLOCK_SIZE)
+            acc_t = tl.dot(p, tl.trans(tile.to(tl.float16)), acc_t)
+        else:
+            # The same layout read a block's [HEAD_DIM, BLOCK_SIZE] chunk at a time, each one
+            # contiguous run (a warp reads 512 bytes of one block, not 64 of eight), then
+            # rearranged into [HEAD_DIM, BLOCK_N] in registers.
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            j = n0 // BLOCK_SIZE + tl.arange(0, NB)
+            blocks = tl.load(bt_ptr + b * stride_bt + tl.minimum(j, last_block)).to(tl.int64)
+            chunk = tl.arange(0, HEAD_DIM * BLOCK_SIZE)
+            tile = tl.load(cache_ptr + (blocks * stride_cb + kv_head * stride_ch)[:, None] + chunk[None, :])
+            tile = tl.reshape(tl.permute(tl.reshape(tile, [NB, HEAD_DIM, BLOCK_SIZE]), (1, 0, 2)), [HEAD_DIM, BLOCK_N])
             acc_t = tl.dot(p, tl.trans(tile.to(tl.float16)), acc_t)
     out = tl.sum(acc, axis=1) + tl.sum(acc_t, axis=1)
     tl.store(out_ptr + (b * tl.num_programs(1) + kv_head) * 16 + r, out)
@@ -71,7 +87,8 @@ def _gather_kernel(cache_ptr, bt_ptr, q_ptr, out_ptr, num_keys, stride_bt, strid
 
 def layouts() -> dict:
     """name: (dtype, the strides of [block, slot, head] (dim: 1, or BLOCK_SIZE where the keys are
-    contiguous), key-major)."""
+    contiguous), key-major: True, False, or None for the keys-contiguous layout read a whole
+    block's chunk at a time)."""
     bs, h, dim = BLOCK_SIZE, KV_HEADS, HEAD_DIM
     standard = (bs * h * dim, h * dim, dim)
     head_major = (bs * h * dim, dim, bs * dim)
@@ -80,6 +97,7 @@ def layouts() -> dict:
         "fp8 keys": (torch.float8_e4m3fn, standard, True),
         "fp8 keys, head-major": (torch.float8_e4m3fn, head_major, True),
         "fp8 values (key-contiguous)": (torch.float8_e4m3fn, (bs * h * dim, 1, dim * bs), False),
+        "fp8 values, whole blocks": (torch.float8_e4m3fn, (bs * h * dim, 1, dim * bs), None),
         "bf16 keys, head-major": (torch.bfloat16, head_major, True),
     }
 
@@ -101,7 +119,8 @@ def main() -> None:
         def launch():
             _gather_kernel[(SEQS, KV_HEADS)](memory, tables, q, out, CONTEXT, tables.stride(0), *strides,
                                              HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-                                             KEY_MAJOR=key_major, num_warps=4, num_stages=3)
+                                             KEY_MAJOR=bool(key_major), WHOLE_BLOCKS=key_major is None, num_warps=4,
+                                             num_stages=3)
 
         seconds = time_cuda(launch, warmup=3, repeat=20)
         row = {"layout": name, "seconds": seconds, "bytes": cache_bytes, "gb_per_s": cache_bytes / seconds / 1e9,
