@@ -17,10 +17,11 @@ and nothing else, for a profiler to read the third:
         --section Occupancy --section LaunchStats --section SchedulerStats \
         python scripts/tune_fp8_decode.py --profile fp8
 
-and the sectors each level of memory saw (asked of L1, read from L2, read from DRAM):
+and the sectors each level of memory saw (asked of L1 by the tiles' asynchronous copies
+(ldgsts) and by plain loads, read from L2, hitting there, read from DRAM):
 
     ncu --clock-control none -k regex:_decode_kernel --launch-skip 2 --launch-count 1 \
-        --metrics l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__m_xbar2l1tex_read_sectors.sum,\
+        --metrics l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,\
 lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,dram__sectors_read.sum \
         python scripts/tune_fp8_decode.py --profile fp8
 """
