@@ -592,11 +592,24 @@ def _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE: 
                  BLOCK_N: tl.constexpr):
     """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
     offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
-    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): the
-    tile is read as [HEAD_DIM, BLOCK_N], runs of min(BLOCK_SIZE, BLOCK_N) keys each 16-byte
-    aligned and contiguous, and transposed in registers; it is read unmasked (a float8 pool
-    holds finite values only, and an invisible key's weight is exactly 0)."""
-    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): one
+    K/V head's values in a block are one run of HEAD_DIM * BLOCK_SIZE bytes, read whole, a
+    block a row, and rearranged in registers (or, a tile within one block, read as
+    [HEAD_DIM, BLOCK_N] and transposed); they are read unmasked (a float8 pool holds finite
+    values only, and an invisible key's weight is exactly 0)."""
+    NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    HEAD_DIM: tl.constexpr = d.shape[0]
+    if (v_cache_ptr.dtype.element_ty == tl.float8e4nv and NB > 1 and BLOCK_N % BLOCK_SIZE == 0
+            and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
+        # Read as [HEAD_DIM, BLOCK_N], a warp would take 16 keys' bytes of each of eight
+        # blocks, and each 128-byte line is asked for twice: the values read at 54% of the
+        # copy bandwidth where whole blocks read at 82% (benchmarks/h100/kv_gather_bb06619.json).
+        first = tl.min(tl.reshape(rows, [NB, BLOCK_SIZE]), axis=1)  # [NB]: each block's slot 0
+        block_start = first // stride_cb * stride_cb
+        chunk = tl.arange(0, HEAD_DIM * BLOCK_SIZE)
+        v = tl.load(v_cache_ptr + (block_start + (first - block_start) * BLOCK_SIZE)[:, None] + chunk[None, :])
+        v = tl.reshape(tl.permute(tl.reshape(v, [NB, HEAD_DIM, BLOCK_SIZE]), (0, 2, 1)), [BLOCK_N, HEAD_DIM])
+    elif v_cache_ptr.dtype.element_ty == tl.float8e4nv:
         block_start = rows // stride_cb * stride_cb
         within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
         cols = block_start + within % stride_cs * BLOCK_SIZE + within // stride_cs
