@@ -592,12 +592,14 @@ def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
 def _load_values(v_cache_ptr, rows, d, valid, bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
-    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
-    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): one
-    K/V head's values in a block are one run of HEAD_DIM * BLOCK_SIZE bytes, read whole, a
-    block a row, and rearranged in registers (or, a tile within one block, read as
-    [HEAD_DIM, BLOCK_N] and transposed); they are read unmasked (a float8 pool holds finite
-    values only, and an invisible key's weight is exactly 0)."""
+    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them for the tile of keys
+    n0 .. n0 + BLOCK_N - 1 through the block table bt_ptr, head_off that K/V head's offset
+    in a row), keys not ``valid`` as zeros (valid None: all). A float8 cache's values are
+    key-contiguous (kv_store.py): one K/V head's values in a block are one run of
+    HEAD_DIM * BLOCK_SIZE bytes, read whole, a block a row (its id looked up again, clamped
+    to last_block as the rows are), and rearranged in registers (or, a tile within one
+    block, read as [HEAD_DIM, BLOCK_N] and transposed); they are read unmasked (a float8
+    pool holds finite values only, and an invisible key's weight is exactly 0)."""
     NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
     HEAD_DIM: tl.constexpr = d.shape[0]
     if (v_cache_ptr.dtype.element_ty == tl.float8e4nv and NB > 1 and BLOCK_N % BLOCK_SIZE == 0

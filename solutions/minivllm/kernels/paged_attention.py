@@ -160,7 +160,8 @@ def _attend_cached_keys(m, l, acc, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr, f
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+        v = _load_values(v_cache_ptr, rows, d, valid, bt_ptr, n0, last_block, kv_head * stride_ch, stride_cb, stride_cs,
+                         BLOCK_SIZE, BLOCK_N).to(q.dtype)
         m, l, acc = _online_softmax_update(m, l, acc, s, v, scale * LOG2E, PRECISION)
     return m, l, acc
 
@@ -582,15 +583,31 @@ def _kv_tile_rows(bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
 
 
 @triton.jit
-def _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _load_values(v_cache_ptr, rows, d, valid, bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The values [BLOCK_N, HEAD_DIM] of the keys whose cache rows are ``rows`` (element
-    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them), keys not ``valid`` as
-    zeros (valid None: all). A float8 cache's values are key-contiguous (kv_store.py): the
-    tile is read as [HEAD_DIM, BLOCK_N], runs of min(BLOCK_SIZE, BLOCK_N) keys each 16-byte
-    aligned and contiguous, and transposed in registers; it is read unmasked (a float8 pool
-    holds finite values only, and an invisible key's weight is exactly 0)."""
-    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    offsets of one K/V head's rows, as ``_kv_tile_rows`` gives them for the tile of keys
+    n0 .. n0 + BLOCK_N - 1 through the block table bt_ptr, head_off that K/V head's offset
+    in a row), keys not ``valid`` as zeros (valid None: all). A float8 cache's values are
+    key-contiguous (kv_store.py): one K/V head's values in a block are one run of
+    HEAD_DIM * BLOCK_SIZE bytes, read whole, a block a row (its id looked up again, clamped
+    to last_block as the rows are), and rearranged in registers (or, a tile within one
+    block, read as [HEAD_DIM, BLOCK_N] and transposed); they are read unmasked (a float8
+    pool holds finite values only, and an invisible key's weight is exactly 0)."""
+    NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    HEAD_DIM: tl.constexpr = d.shape[0]
+    if (v_cache_ptr.dtype.element_ty == tl.float8e4nv and NB > 1 and BLOCK_N % BLOCK_SIZE == 0
+            and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
+        # Read as [HEAD_DIM, BLOCK_N], a warp would take 16 keys' bytes of each of eight
+        # blocks, and each 128-byte line is asked for twice: the values read at 54% of the
+        # copy bandwidth where whole blocks read at 82% (benchmarks/h100/kv_gather_bb06619.json).
+        # One block id a block (not the keys' rows: taking each block's first from them
+        # spills registers).
+        block = tl.load(bt_ptr + tl.minimum(n0 // BLOCK_SIZE + tl.arange(0, NB), last_block)).to(tl.int64)
+        chunk = tl.arange(0, HEAD_DIM * BLOCK_SIZE)
+        v = tl.load(v_cache_ptr + (block * stride_cb + head_off * BLOCK_SIZE)[:, None] + chunk[None, :])
+        v = tl.reshape(tl.permute(tl.reshape(v, [NB, HEAD_DIM, BLOCK_SIZE]), (0, 2, 1)), [BLOCK_N, HEAD_DIM])
+    elif v_cache_ptr.dtype.element_ty == tl.float8e4nv:
         block_start = rows // stride_cb * stride_cb
         within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
         cols = block_start + within % stride_cs * BLOCK_SIZE + within // stride_cs
@@ -700,7 +717,8 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(q.dtype)),
                            input_precision=PRECISION)
-            v = _load_values(v_cache_ptr, rows, d, None, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, None, bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
+                             BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
@@ -733,7 +751,8 @@ def _prefill_kernel(
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            v = _load_values(v_cache_ptr, rows, d, valid, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N).to(q.dtype)
+            v = _load_values(v_cache_ptr, rows, d, valid, bt_ptr, n0, last_block, head_off, stride_cb, stride_cs,
+                             BLOCK_SIZE, BLOCK_N).to(q.dtype)
             if PREFETCH:
                 rows = _kv_tile_rows(bt_ptr, n0 + BLOCK_N, last_block, head_off, stride_cb, stride_cs, BLOCK_SIZE,
                                      BLOCK_N, PER_BLOCK)
