@@ -277,6 +277,19 @@ def test_short_prefill_kernel_fp8(heads, kv_heads, head_dim, block_size, num_spl
     check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, window)
 
 
+@pytest.mark.parametrize("kernel", [decode, prefill, short_prefill], ids=["decode", "prefill", "short-prefill"])
+def test_fp8_kernels_with_tiles_inside_one_block(kernel):
+    """Blocks at least a key tile long: each tile's values lie in one block and are read by
+    their rows (``_load_values``' second way), not a block's run at a time as above."""
+    heads, kv_heads, head_dim, _ = SHAPES[0]
+    block_size = 128 if not CUDA else 256  # the decode tile: 128 keys either way
+    if kernel is decode:
+        lens, q_lens = ([200, 1, 129, 8] if not CUDA else [1000, 1, 257, 16]), [1] * 4
+    else:
+        lens, q_lens = ([150, 5, 140], [4, 1, 3]) if not CUDA else ([1000, 5, 600], [4, 1, 300])
+    check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, None)
+
+
 # Compiles every kernel that reads or writes the cache for sm_90 with a float8 cache and bf16
 # queries, the step's keys and values bf16 (read through tensor descriptors by the prefill
 # kernel): the interpreter checks the arithmetic, not that the conversions and dots compile
