@@ -597,14 +597,19 @@ def _load_values(v_cache_ptr, rows, d, valid, bt_ptr, n0, last_block, head_off, 
     if (v_cache_ptr.dtype.element_ty == tl.float8e4nv and NB > 1 and BLOCK_N % BLOCK_SIZE == 0
             and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0):
         # Read as [HEAD_DIM, BLOCK_N], a warp would take 16 keys' bytes of each of eight
-        # blocks, and each 128-byte line is asked for twice: the values read at 54% of the
-        # copy bandwidth where whole blocks read at 82% (benchmarks/h100/kv_gather_bb06619.json).
-        # One block id a block (not the keys' rows: taking each block's first from them
-        # spills registers).
-        block = tl.load(bt_ptr + tl.minimum(n0 // BLOCK_SIZE + tl.arange(0, NB), last_block)).to(tl.int64)
+        # blocks, and every 32-byte sector was asked for twice: 54% of the copy bandwidth,
+        # where whole blocks read at 82% (benchmarks/h100/kv_gather_bb06619.json).
+        # One block id a block, looked up again (taking each block's first row from `rows`
+        # spilled registers).
+        block = tl.load(bt_ptr + tl.minimum(n0 // BLOCK_SIZE + tl.arange(0, NB), last_block)).to(tl.int64)  # [NB]
         chunk = tl.arange(0, HEAD_DIM * BLOCK_SIZE)
+        # head_off is the head's offset in a key row (kv_head * HEAD_DIM): in a value block
+        # the head's run starts BLOCK_SIZE times further in.
         v = tl.load(v_cache_ptr + (block * stride_cb + head_off * BLOCK_SIZE)[:, None] + chunk[None, :])
-        v = tl.reshape(tl.permute(tl.reshape(v, [NB, HEAD_DIM, BLOCK_SIZE]), (0, 2, 1)), [BLOCK_N, HEAD_DIM])
+        v = tl.reshape(v, [NB, HEAD_DIM, BLOCK_SIZE])
+        # [NB, BLOCK_SIZE, HEAD_DIM] -> [BLOCK_N, HEAD_DIM]: row j * BLOCK_SIZE + slot is key
+        # n0 + j * BLOCK_SIZE + slot.
+        v = tl.reshape(tl.permute(v, (0, 2, 1)), [BLOCK_N, HEAD_DIM])
     elif v_cache_ptr.dtype.element_ty == tl.float8e4nv:
         block_start = rows // stride_cb * stride_cb
         within = rows - block_start  # row * stride_cs + kv_head * HEAD_DIM
