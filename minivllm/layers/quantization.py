@@ -55,13 +55,13 @@ class UnquantizedLinearMethod:
         """Nothing to do: the weight is used as loaded."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias, prefetch=layer.prefetch)
 
     def gated_fuses(self, layer: nn.Module, x: torch.Tensor, activation: str) -> bool:
         return gated_linear_fuses(x, layer.bias, activation)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
-        return gated_linear(x, layer.weight, layer.bias, activation)
+        return gated_linear(x, layer.weight, layer.bias, activation, prefetch=layer.prefetch)
 
 
 class Fp8LinearMethod(UnquantizedLinearMethod):
@@ -75,10 +75,11 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, weight_scale=layer.weight_scale)
+        return linear(x, layer.weight, bias, weight_scale=layer.weight_scale, prefetch=layer.prefetch)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
-        return gated_linear(x, layer.weight, layer.bias, activation, weight_scale=layer.weight_scale)
+        return gated_linear(x, layer.weight, layer.bias, activation, weight_scale=layer.weight_scale,
+                            prefetch=layer.prefetch)
 
 
 class Fp8BlockLinearMethod(UnquantizedLinearMethod):
