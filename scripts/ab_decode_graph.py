@@ -20,9 +20,7 @@ the engine is built:
 - ``gw<warps>``: the gated gemv (gate/up ending in SwiGLU) of 5 to 16 rows runs its tile on
   ``warps`` warps;
 - ``s<count>``: the decode attention takes at most ``count`` splits;
-- ``p<count>``: its split rule aims at ``count`` programs a multiprocessor (the package: 12);
-- ``f<distance>``: each gemv asks L2 for the weights of the linear layer ``distance`` places
-  on (``engine.runner_startup.PREFETCH_DISTANCE``; 0: none).
+- ``p<count>``: its split rule aims at ``count`` programs a multiprocessor (the package: 12).
 CONTEXT (default 128) is the prompts' length: the decode graph's attention reads that many
 keys a sequence and more.
 An older engine: export its package beside the tree (``git archive <commit> minivllm | tar
@@ -43,7 +41,6 @@ import triton
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from minivllm.engine import runner_startup  # noqa: E402
 from minivllm.kernels import gemv, paged_attention  # noqa: E402
 from profile_decode_step import graph_replay_ms  # noqa: E402  (the script beside this one)
 
@@ -105,10 +102,8 @@ def apply(variant: str) -> None:
             patch_splits(int(part[1:]))
         elif part.startswith("p") and part[1:].isdigit():
             paged_attention.SPLIT_PROGRAMS_PER_SM = int(part[1:])
-        elif part.startswith("f") and part[1:].isdigit():
-            runner_startup.PREFETCH_DISTANCE = int(part[1:])
         elif part != "base":
-            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, m:B:K:W:S, gwN, sN, pN, fN)")
+            raise SystemExit(f"unknown variant part {part!r} (base, g:E:W:S, n:B:W:S, m:B:K:W:S, gwN, sN, pN)")
 
 
 def measure(context: int) -> dict:

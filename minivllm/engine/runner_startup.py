@@ -30,7 +30,7 @@ from minivllm.engine.state_pool import allocate_state_pools, check_state_pools_f
 from minivllm.engine.step_inputs import PinnedStaging, StepInputs
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import lm_heads
-from minivllm.layers.linear import chain_prefetches, linear_layers
+from minivllm.layers.linear import linear_layers
 from minivllm.ops.attention import is_fp8, value_cache_view
 from minivllm.sampling_params import SamplingParams
 
@@ -38,9 +38,6 @@ from minivllm.sampling_params import SamplingParams
 COMPILE_STEP_TOKENS = (4, 256, 2048)
 MATMUL_WARM_STEP = 32  # warm_matmuls' stride in row counts above max_num_seqs
 WARMUP_MAX_SEQ_LEN = 1024
-# How far ahead a decode gemv asks L2 for weights: the linear layer this many places on
-# (layers.linear.chain_prefetches; kernels.prefetch says why).
-PREFETCH_DISTANCE = 2
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +232,6 @@ class RunnerStartup:
         warm the matmuls, so that a user's first steps run at speed. The Triton kernels of
         those passes are compiled first, on many threads at once: the same passes, every
         launch a compile (kernels.compile_ahead)."""
-        # Before the captures: the decode graphs hold each gemv's prefetch.
-        chain_prefetches(self.model, PREFETCH_DISTANCE)
-
         def passes():
             if not self.config.enforce_eager:
                 self.capture_cudagraphs(dry=True)

@@ -37,7 +37,6 @@ import triton.language as tl
 
 from minivllm.kernels.common import dot_precision
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
-from minivllm.kernels.prefetch import prefetch_enabled, prefetch_to_l2
 
 MAX_ROWS = 16  # the largest batch this kernel serves; beyond it, GEMM tiles win
 SUM_ROWS = 4  # up to this many rows, narrow matrices default to the sum-of-products path
@@ -64,11 +63,9 @@ def _gemv_kernel(
     b_ptr,  # [N] (read only with HAS_BIAS)
     s_ptr,  # [N] (GATED: [2N]) float32: the e4m3 weight's scale per row (read only with HAS_SCALE)
     out_ptr,  # [M, N]
-    next_ptr,  # [next_bytes]: a later product's weights, asked of L2 (read only with PREFETCH)
-    M, N, K, stride_xm, stride_wn, stride_om, next_bytes,
+    M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -107,8 +104,6 @@ def _gemv_kernel(
         acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(dtype).to(tl.float32)
     mask = (m[:, None] < M) & (n[None, :] < N)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=mask)
-    if PREFETCH:  # this program's share of a later product's weights, its own read and done
-        prefetch_to_l2(next_ptr, next_bytes)
 
 
 def gemv_config(n: int, k: int, rows: int = 2) -> dict:
@@ -157,9 +152,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(x, weight, bias, weight_scale, out, n, gated, config, prefetch):
+def _launch(x, weight, bias, weight_scale, out, n, gated, config):
     m, k = x.shape
-    prefetch = prefetch if prefetch is not None and prefetch_enabled(x) else None
     config = {"DOT": m > SUM_ROWS, **config}  # a config without DOT: the default path for m rows
     if not config["DOT"] and m > 2 * SUM_ROWS:
         raise ValueError(f"DOT=False (the sum-of-products path) takes at most {2 * SUM_ROWS} rows, got {m}")
@@ -167,38 +161,30 @@ def _launch(x, weight, bias, weight_scale, out, n, gated, config, prefetch):
         raise ValueError(f"DOT=True (the tensor cores) needs BLOCK_N >= 16, got {config['BLOCK_N']}")
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
-        prefetch if prefetch is not None else weight,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        prefetch.numel() * prefetch.element_size() if prefetch is not None else 0,
-        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GATED=gated, PREFETCH=prefetch is not None,
-        PRECISION=dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GATED=gated, PRECISION=dot_precision(x.dtype),
         BLOCK_M=16 if config["DOT"] else triton.next_power_of_2(m), **pdl_options(x), **config,
     )
     return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         weight_scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None, **config) -> torch.Tensor:
+         weight_scale: torch.Tensor | None = None, **config) -> torch.Tensor:
     """x: [M, K] with M <= 16, weight: [N, K] (nn.Linear layout), or e4m3 with
-    ``weight_scale`` [N, 1] float32. Returns x @ (weight * weight_scale).T (+ bias).
-    ``prefetch``: a later product's weights (contiguous), asked of L2 on the way
-    (``kernels.prefetch``; ignored where prefetching is off)."""
+    ``weight_scale`` [N, 1] float32. Returns x @ (weight * weight_scale).T (+ bias)."""
     x = _check(x, weight, weight_scale)
     n = weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, weight_scale, out, n, False, config or gemv_config(n, x.shape[1], x.shape[0]),
-                   prefetch)
+    return _launch(x, weight, bias, weight_scale, out, n, False, config or gemv_config(n, x.shape[1], x.shape[0]))
 
 
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                      prefetch: torch.Tensor | None = None, **config) -> torch.Tensor:
+                      **config) -> torch.Tensor:
     """x: [M, K] with M <= 16, weight: [2N, K], the gate's rows then up's (GateUpLinear), or
-    e4m3 with ``weight_scale`` [2N, 1]. Returns silu(x @ W_gate.T) * (x @ W_up.T): [M, N].
-    ``prefetch``: as ``gemv``'s."""
+    e4m3 with ``weight_scale`` [2N, 1]. Returns silu(x @ W_gate.T) * (x @ W_up.T): [M, N]."""
     x = _check(x, weight, weight_scale)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_and_mul needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, None, weight_scale, out, n, True, config or gated_config(n, x.shape[1], x.shape[0]),
-                   prefetch)
+    return _launch(x, weight, None, weight_scale, out, n, True, config or gated_config(n, x.shape[1], x.shape[0]))

@@ -80,9 +80,6 @@ class Linear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.quant_method = UNQUANTIZED
-        # A later layer's weights, which this layer's gemv asks L2 for on the way (set by
-        # chain_prefetches on a GPU; None: nothing to ask for).
-        self.prefetch: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -109,19 +106,6 @@ class Linear(nn.Module):
 def linear_layers(model: nn.Module) -> list[Linear]:
     """Every linear layer of a model (of every kind: packed, column- and row-parallel), in order."""
     return [m for m in model.modules() if isinstance(m, Linear)]
-
-
-def chain_prefetches(model: nn.Module, distance: int) -> None:
-    """Give each linear layer the weights of the one ``distance`` places after it in the
-    model's order, for its gemv to ask L2 for (``kernels.prefetch``); 0 clears them. The
-    model's order is the order its forward runs them in (q/k/v, o, gate/up, down, the next
-    layer's q/k/v, ...): where a model registers them otherwise, a prefetch fetches bytes
-    that are not read next, a cost, never an error."""
-    layers = linear_layers(model)
-    for i, layer in enumerate(layers):
-        later = layers[i + distance] if distance > 0 and i + distance < len(layers) else None
-        # (The weight's data, not the parameter: a module registers a parameter it is given.)
-        layer.prefetch = later.weight.data if later is not None and later.weight.is_contiguous() else None
 
 
 @dataclass

@@ -55,13 +55,13 @@ class UnquantizedLinearMethod:
         """Nothing to do: the weight is used as loaded."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, prefetch=layer.prefetch)
+        return linear(x, layer.weight, bias)
 
     def gated_fuses(self, layer: nn.Module, x: torch.Tensor, activation: str) -> bool:
         return gated_linear_fuses(x, layer.bias, activation)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
-        return gated_linear(x, layer.weight, layer.bias, activation, prefetch=layer.prefetch)
+        return gated_linear(x, layer.weight, layer.bias, activation)
 
 
 class Fp8LinearMethod(UnquantizedLinearMethod):
@@ -75,11 +75,10 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, weight_scale=layer.weight_scale, prefetch=layer.prefetch)
+        return linear(x, layer.weight, bias, weight_scale=layer.weight_scale)
 
     def apply_gated(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
-        return gated_linear(x, layer.weight, layer.bias, activation, weight_scale=layer.weight_scale,
-                            prefetch=layer.prefetch)
+        return gated_linear(x, layer.weight, layer.bias, activation, weight_scale=layer.weight_scale)
 
 
 class Fp8BlockLinearMethod(UnquantizedLinearMethod):

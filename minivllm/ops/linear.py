@@ -5,10 +5,6 @@ there ``kernels.gemv`` beats a general GEMM, up to the rows it is built for
 (``gemv.MAX_ROWS``), and for SwiGLU it ends the gate/up product in the activation, one
 kernel instead of two. Everything else is torch's GEMM and the activation op.
 
-A linear layer may name a later layer's weights (``prefetch``, set by the runner:
-``layers.linear.chain_prefetches``): the gemv asks L2 for them while it runs, so that the
-later product finds them there (``kernels.prefetch``).
-
 W may be e4m3 with one scale per row (``weight_scale``, chapter 20): the gemv reads the
 bytes and keeps the activations as they are (W8A16); more rows take the W8A8 matmul of
 ``ops.quant``.
@@ -30,14 +26,12 @@ def _gemv_serves(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b); with ``weight_scale`` [N, 1], W is e4m3 and each row is times its scale.
-    ``prefetch``: a later layer's weights, which the gemv asks L2 for on the way (a hint
-    only: the result is the same without it)."""
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b); with ``weight_scale`` [N, 1], W is e4m3 and each row is times its scale."""
     if _gemv_serves(x):
         from minivllm.kernels import gemv
 
-        return gemv.gemv(x, weight, bias, weight_scale=weight_scale, prefetch=prefetch)
+        return gemv.gemv(x, weight, bias, weight_scale=weight_scale)
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
@@ -49,12 +43,11 @@ def gated_linear_fuses(x: torch.Tensor, bias: torch.Tensor | None, activation: s
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 activation: str = "silu", weight_scale: torch.Tensor | None = None,
-                 prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                 activation: str = "silu", weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """act(gate) * up where [gate | up] = x W^T (+ b), W holding the gate's rows then up's
-    (e4m3 with ``weight_scale``, and ``prefetch``, as ``linear``)."""
+    (e4m3 with ``weight_scale``, as ``linear``)."""
     if gated_linear_fuses(x, bias, activation):
         from minivllm.kernels import gemv
 
-        return gemv.gemv_silu_and_mul(x, weight, weight_scale=weight_scale, prefetch=prefetch)
-    return act_and_mul(linear(x, weight, bias, weight_scale, prefetch), activation)
+        return gemv.gemv_silu_and_mul(x, weight, weight_scale=weight_scale)
+    return act_and_mul(linear(x, weight, bias, weight_scale), activation)
