@@ -231,20 +231,23 @@ class RunnerStartup:
         """Capture the CUDA graphs (unless enforce_eager), compile the eager steps' kernels and
         warm the matmuls, so that a user's first steps run at speed. The Triton kernels of
         those passes are compiled first, on many threads at once: the same passes, every
-        launch a compile (kernels.compile_ahead)."""
+        launch a compile (kernels.compile_ahead), with the matmuls' warm-up beside them."""
         def passes():
             if not self.config.enforce_eager:
                 self.capture_cudagraphs(dry=True)
             # (Not the sampler's kernels: it reads what they computed.)
             self.compile_kernels(sample=False, decode_graphs=not self.config.enforce_eager)
+            # The GEMM library loads its kernels here, on this thread, while the others
+            # compile: the products are thrown away, so the garbage they read costs nothing.
+            self.warm_matmuls()
 
-        self._compile_ahead(passes, phase="compile_ahead")
+        if not self._compile_ahead(passes, phase="compile_ahead"):
+            with self._startup_phase("warm_matmuls"):
+                self.warm_matmuls()
         if not self.config.enforce_eager:
             self.capture_cudagraphs()
         with self._startup_phase("compile_kernels"):
             self.compile_kernels()
-        with self._startup_phase("warm_matmuls"):
-            self.warm_matmuls()
 
     def _arm_kv_scales(self) -> None:
         """calculate_kv_scales on an fp8 cache: every attention layer sets its scales from the
@@ -272,16 +275,19 @@ class RunnerStartup:
     def _startup_phase(self, name: str):
         return timed_phase(self.startup_seconds, name, self.device)
 
-    def _compile_ahead(self, passes, phase: str | None = None) -> None:
+    def _compile_ahead(self, passes, phase: str | None = None) -> bool:
         """Run ``passes`` once with every Triton launch turned into a compile, on many threads
         at once (kernels.compile_ahead): the same passes run for real after it find their
         kernels compiled. Nothing computed in it may be used. Nothing runs where compiling
-        ahead is off (``MINIVLLM_COMPILE_AHEAD=0``) or Triton lacks it."""
+        ahead is off (``MINIVLLM_COMPILE_AHEAD=0``) or Triton lacks it. Returns whether
+        ``passes`` ran."""
         from minivllm.kernels import compile_ahead
 
-        if compile_ahead.available():
-            with self._startup_phase(phase) if phase else contextlib.nullcontext(), compile_ahead.compile_only():
-                passes()
+        if not compile_ahead.available():
+            return False
+        with self._startup_phase(phase) if phase else contextlib.nullcontext(), compile_ahead.compile_only():
+            passes()
+        return True
 
     def _allocate_state_pools(self) -> int:
         """Every linear-attention layer's state pools; the bytes one slot takes in all of them."""

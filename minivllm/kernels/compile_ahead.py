@@ -16,7 +16,13 @@ where the real passes find them. Inside the block the torch operations still run
 whatever the skipped kernels left in their outputs: nothing computed there may be used.
 
 The start-up runs its graph and eager passes once inside it, then for real
-(``RunnerStartup._prepare_gpu``); ``MINIVLLM_COMPILE_AHEAD=0`` turns it off.
+(``RunnerStartup._prepare_gpu``); ``MINIVLLM_COMPILE_AHEAD=0`` turns it off. The GEMM
+library's warm-up runs inside it too, on the main thread while the compiles run on the
+others: it computes nothing that is used, and its time is the library loading kernels.
+
+Before any kernel compiles or launches, Triton hashes its own installation (its compiler's
+sources and its 100-MB-plus shared library), once a process, to key its cache: about half a
+second that ``hash_triton_in_background`` moves under the weights' loading.
 """
 import contextlib
 import os
@@ -29,6 +35,16 @@ from triton.runtime.jit import JITFunction
 
 # One block at a time in a process: each saves and restores JITFunction.run.
 _ONE_AT_A_TIME = threading.Lock()
+
+
+def hash_triton_in_background() -> None:
+    """Start Triton's hash of itself (``triton_key``, cached for the process) on a thread
+    of its own: the first compile or launch, later, finds it done. (Hashing and file reads
+    run outside Python's lock.) Nothing happens where this Triton has no such function."""
+    from triton.runtime import cache
+
+    if hasattr(cache, "triton_key"):
+        threading.Thread(target=cache.triton_key, name="triton-key", daemon=True).start()
 
 
 def available() -> bool:
