@@ -9,8 +9,13 @@ script times each shape and row count:
 
 - ``cublas``: ``F.linear`` as the engine calls it (torch's default BLAS library);
 - ``cublaslt``: the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
-- ``triton``: a plain tiled matmul (``_matmul_kernel`` below) at each tile of ``TILES``,
-  checked against torch first; the best tile is reported.
+- ``triton``: a plain tiled matmul (``_matmul_kernel`` below, its first K step peeled off)
+  at each tile of ``TILES``, checked against torch first; the best tile is reported (the
+  sweep in ``benchmarks/h100/decode_gemm_tiles.json`` ran the kernel before the peel);
+- ``triton_pdl``: the best tile again, launched with Programmatic Dependent Launch (Hopper):
+  each program loads its first weight tile, then waits for the kernel before
+  (``kernels.pdl``), so a product's launch and first loads overlap the one before it, as the
+  decode gemv's do (cuBLAS cannot).
 
 Each figure is a CUDA graph of ``CALLS`` products replayed, divided by ``CALLS``: one
 product after another, each with its own copy of the weights (more bytes than L2 holds, as
@@ -29,6 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels.pdl import pdl_options, wait_for_previous
+
 # Qwen3-0.6B's decode linears: (name, N, K) of W [N, K].
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -44,8 +51,10 @@ CALLS = 16
 
 @triton.jit
 def _matmul_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C [M, N] = A [M, K] @ W [N, K]^T, one [BLOCK_M, BLOCK_N] tile a program, grouped along M."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """C [M, N] = A [M, K] @ W [N, K]^T, one [BLOCK_M, BLOCK_N] tile a program, grouped along M;
+    with USE_PDL the first weight tile is loaded before waiting for the kernel before."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -56,8 +65,13 @@ def _matmul_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first K step peeled off: its weight tile is loaded before the wait (the weights
+    # never depend on the kernel before), its activations after.
+    w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    wait_for_previous(USE_PDL)
+    a = tl.load(a_ptr + m[:, None] * stride_am + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+    acc = tl.dot(a, tl.trans(w))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         a = tl.load(a_ptr + m[:, None] * stride_am + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
@@ -66,14 +80,15 @@ def _matmul_kernel(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def triton_linear(a: torch.Tensor, w: torch.Tensor, tile: tuple) -> torch.Tensor:
+def triton_linear(a: torch.Tensor, w: torch.Tensor, tile: tuple, pdl: bool = False) -> torch.Tensor:
     bm, bn, bk, warps, stages = tile
     m, k = a.shape
     n = w.shape[0]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](a, w, c, m, n, k, a.stride(0), w.stride(0), c.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         GROUP_M=8, num_warps=warps, num_stages=stages)
+                         GROUP_M=8, num_warps=warps, num_stages=stages,
+                         **(pdl_options(a) if pdl else {"USE_PDL": False}))
     return c
 
 
@@ -160,9 +175,14 @@ def main() -> None:
             timed = {t: us for t, us in tiles.items() if isinstance(us, float)}
             best = min(timed, key=timed.get) if timed else None
             row.update(triton_tiles_us=tiles, triton_best=best, triton_best_us=timed.get(best))
+            if best is not None:
+                tile = tuple(int(v) for v in best.strip("()").split(","))
+                assert torch.allclose(triton_linear(xs[0], ws[0], tile, pdl=True).float(), ref, atol=3e-2, rtol=3e-2)
+                row["triton_pdl_us"] = per_call_us(lambda x, w, t=tile: triton_linear(x, w, t, pdl=True), xs, ws)
             report["results"].append(row)
             print(f"{name:8s} rows {m:4d}: roofline {floor_us:6.2f} us, cublas {row['cublas_us']:6.2f}, "
-                  f"cublaslt {row['cublaslt_us']:6.2f}, triton best {row['triton_best_us'] or float('nan'):6.2f} {best}",
+                  f"cublaslt {row['cublaslt_us']:6.2f}, triton best {row['triton_best_us'] or float('nan'):6.2f} {best}, "
+                  f"with PDL {row.get('triton_pdl_us', float('nan')):6.2f}",
                   flush=True)
     if args.out:
         with open(args.out, "w") as f:
