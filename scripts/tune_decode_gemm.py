@@ -19,13 +19,15 @@ script times each shape and row count:
 
 Each figure is a CUDA graph of ``CALLS`` products replayed, divided by ``CALLS``: one
 product after another, each with its own copy of the weights (more bytes than L2 holds, as
-in a decode step, where every layer's weights come from HBM). The roofline is the larger of
+in a decode step, where every layer's weights come from HBM); the median of ten replays
+(the sweep in ``benchmarks/h100/decode_gemm_tiles.json`` took the best of five). The roofline is the larger of
 the weights' bytes at the measured copy bandwidth and the FLOPs at the measured bf16 matmul
 rate. ``--budget-s`` stops the sweep (what was measured is still written).
 
     python scripts/tune_decode_gemm.py [--rows 32 64 128 256] [--budget-s 150] [--out FILE]
 """
 import argparse
+import itertools
 import json
 import time
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.bench.roofline import measure_ceilings, time_cuda_graph
 from minivllm.kernels.pdl import pdl_options, wait_for_previous
 
 # Qwen3-0.6B's decode linears: (name, N, K) of W [N, K].
@@ -93,46 +96,10 @@ def triton_linear(a: torch.Tensor, w: torch.Tensor, tile: tuple, pdl: bool = Fal
 
 
 def per_call_us(fn, xs, ws) -> float:
-    """A CUDA graph of CALLS products (fn(x, w) for each pair) replayed: microseconds a product."""
-    for x, w in zip(xs, ws):  # compile, and any library's first-use loading, outside the graph
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, w in zip(xs, ws):
-            fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (10 * len(xs)))
-    return best
-
-
-def ceilings() -> tuple[float, float]:
-    """Copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s), measured here."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    times = {}
-    for name, fn in (("copy", lambda: dst.copy_(src)), ("mm", lambda: a @ b)):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        end.synchronize()
-        times[name] = start.elapsed_time(end) / 1000 / 10
-    return 2 * 2**30 / times["copy"], 2 * 8192**3 / times["mm"]
+    """Microseconds a product: CALLS products (fn(x, w), each pair once) in one CUDA graph,
+    replayed (``bench.roofline.time_cuda_graph``)."""
+    pairs = itertools.cycle(zip(xs, ws))
+    return time_cuda_graph(lambda: fn(*next(pairs)), calls=len(xs)) * 1e6
 
 
 def main() -> None:
@@ -142,7 +109,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     deadline = time.perf_counter() + args.budget_s
-    bandwidth, rate = ceilings()
+    ceilings = measure_ceilings()
+    bandwidth, rate = ceilings["copy_bandwidth_bytes_per_s"], ceilings["bf16_matmul_flops_per_s"]
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bandwidth,
               "bf16_matmul_flops_per_s": rate, "calls_per_graph": CALLS, "results": []}
     torch.manual_seed(0)
