@@ -31,6 +31,7 @@ from minivllm.engine.step_inputs import PinnedStaging, StepInputs
 from minivllm.layers.attention import Attention
 from minivllm.layers.embed_head import lm_heads
 from minivllm.layers.linear import linear_layers
+from minivllm.loader import load_model
 from minivllm.ops.attention import is_fp8, value_cache_view
 from minivllm.sampling_params import SamplingParams
 
@@ -271,6 +272,17 @@ class RunnerStartup:
             return self.execute(input_ids, positions)
         finally:
             self.cudagraphs = graphs
+
+    def _load_weights(self) -> torch.nn.Module:
+        """The model with the checkpoint's weights, on the device; on a GPU, Triton hashes
+        itself on another thread meanwhile (kernels.compile_ahead)."""
+        if self.device.type == "cuda":
+            from minivllm.kernels.compile_ahead import hash_triton_in_background
+
+            hash_triton_in_background()
+        with self._startup_phase("load_weights"):
+            return load_model(self.config.model, dtype=self.config.dtype, device=self.device,
+                              quantization=self.config.quantization)
 
     def _startup_phase(self, name: str):
         return timed_phase(self.startup_seconds, name, self.device)

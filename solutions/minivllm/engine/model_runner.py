@@ -30,7 +30,6 @@ from minivllm.layers.attention import attention_layers
 from minivllm.layers.gated_deltanet import state_layers
 from minivllm.layers.sampled_tokens import SampledTokens
 from minivllm.layers.sampler import Sampler
-from minivllm.loader import load_model
 
 
 class ModelRunner(RunnerStartup):
@@ -48,13 +47,7 @@ class ModelRunner(RunnerStartup):
         # Where construction's time goes, in seconds by phase (``minivllm bench throughput``
         # reports it): the weights, the KV pool, the CUDA graphs, compiling the kernels.
         self.startup_seconds: dict[str, float] = {}
-        if self.device.type == "cuda":
-            from minivllm.kernels.compile_ahead import hash_triton_in_background
-
-            hash_triton_in_background()  # while the weights load (kernels.compile_ahead)
-        with self._startup_phase("load_weights"):
-            self.model = load_model(config.model, dtype=config.dtype, device=self.device,
-                                    quantization=config.quantization)
+        self.model = self._load_weights()
         self.model_config = self.model.config
         self.sampler = Sampler()
         self.layers = attention_layers(self.model)
