@@ -21,8 +21,9 @@ library's warm-up runs inside it too, on the main thread while the compiles run 
 others: it computes nothing that is used, and its time is the library loading kernels.
 
 Before any kernel compiles or launches, Triton hashes its own installation (its compiler's
-sources and its 400-MB shared library), once a process, to key its cache: about half a
-second that ``hash_triton_in_background`` moves under the weights' loading.
+sources and its 400-MB shared library), once a process, to key its cache: 0.57 s of a
+start-up on an H200 (benchmarks/startup_profile_warm.txt), which ``hash_triton_in_background``
+moves under the weights' loading.
 """
 import contextlib
 import os
