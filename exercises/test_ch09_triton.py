@@ -452,6 +452,16 @@ def test_ch09_decode_split_across_programs_and_merged(num_splits):
     torch.testing.assert_close(out, ref, **TOL, msg=lambda m: f"{num_splits} splits: {m}")
 
 
+def test_ch09_decode_splits_with_scores_far_from_zero():
+    # Queries 30x larger: each split's log-sum-exp is in the hundreds, and e^lse overflows
+    # float32 past e^88; the merge's weights must have the largest lse subtracted first.
+    out, ref = run_decode([250, 90, 180], 8, 2, num_splits=3, q_scale=30.0, seed=5)
+    assert torch.isfinite(out).all(), (
+        "inf or NaN when splits with scores in the hundreds are merged: weigh each partial by "
+        "exp(lse - the largest lse)")
+    torch.testing.assert_close(out, ref, **TOL)
+
+
 def test_ch09_decode_in_float16():
     # A half-precision cache, as the engine keeps it on a GPU: tl.dot takes two operands of
     # one dtype, so the float32 probabilities p meet the float16 values v only cast to
