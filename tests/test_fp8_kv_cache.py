@@ -285,6 +285,8 @@ def test_fp8_kernels_with_tiles_inside_one_block(kernel):
     block_size = 128 if not CUDA else 256  # the decode tile: 128 keys either way
     if kernel is decode:
         lens, q_lens = ([200, 1, 129, 8] if not CUDA else [1000, 1, 257, 16]), [1] * 4
+    elif kernel is short_prefill:  # at most SHORT_QUERY queries a sequence
+        lens, q_lens = ([150, 5, 140] if not CUDA else [1000, 5, 600]), [4, 1, 3]
     else:
         lens, q_lens = ([150, 5, 140], [4, 1, 3]) if not CUDA else ([1000, 5, 600], [4, 1, 300])
     check_against_reference(kernel, heads, kv_heads, head_dim, block_size, lens, q_lens, None)
